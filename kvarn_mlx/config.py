@@ -1,0 +1,73 @@
+"""KVarN settings and the named presets of KVARN_SPEC.md section 5."""
+
+from dataclasses import dataclass, replace
+
+SUPPORTED_BITS = (2, 4)
+SUPPORTED_GROUP_SIZES = (64, 128)
+SCALE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class KVarNConfig:
+    """One KVarN quantizer setting.
+
+    k_bits, v_bits: code bits for keys and values.
+    group_size: G, tokens per tile.
+    sink: S, leading tokens kept in the model's dtype (None means G).
+    iters: variance-normalization iterations.
+    scale_dtype: storage dtype of the absorbed scales.
+    """
+
+    k_bits: int = 4
+    v_bits: int = 2
+    group_size: int = 128
+    sink: int | None = None
+    iters: int = 8
+    scale_dtype: str = "float16"
+
+    def __post_init__(self):
+        for name in ("k_bits", "v_bits"):
+            if getattr(self, name) not in SUPPORTED_BITS:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} is not supported; use one of {SUPPORTED_BITS}"
+                )
+        if self.group_size not in SUPPORTED_GROUP_SIZES:
+            raise ValueError(
+                f"group_size={self.group_size} is not supported; use one of {SUPPORTED_GROUP_SIZES}"
+            )
+        if self.sink is not None and self.sink < 0:
+            raise ValueError(f"sink={self.sink} must be >= 0")
+        if self.iters < 0:
+            raise ValueError(f"iters={self.iters} must be >= 0")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(
+                f"scale_dtype={self.scale_dtype!r} is not supported; use one of {SCALE_DTYPES}"
+            )
+
+    @property
+    def sink_size(self) -> int:
+        return self.group_size if self.sink is None else self.sink
+
+    @property
+    def name(self) -> str:
+        return f"k{self.k_bits}v{self.v_bits}_g{self.group_size}"
+
+
+PRESETS = {
+    "k2v2_g128": KVarNConfig(k_bits=2, v_bits=2, group_size=128),
+    "k4v2_g128": KVarNConfig(k_bits=4, v_bits=2, group_size=128),
+    "k4v4_g128": KVarNConfig(k_bits=4, v_bits=4, group_size=128),
+    "k4v2_g64": KVarNConfig(k_bits=4, v_bits=2, group_size=64),
+}
+DEFAULT_PRESET = "k4v2_g128"
+# Not a KVarN setting: the name the CLIs use for mlx-lm's plain float cache.
+FP16 = "fp16"
+
+
+def get_preset(name: str, **overrides) -> KVarNConfig:
+    """The named preset, with any field overridden (e.g. sink=0, iters=16)."""
+    if name not in PRESETS:
+        valid = ", ".join(sorted(PRESETS))
+        raise ValueError(f"unknown KVarN preset {name!r}; valid presets: {valid}")
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return replace(PRESETS[name], **overrides)
