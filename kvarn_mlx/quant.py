@@ -22,6 +22,8 @@ def can_rotate(D: int) -> bool:
 
 
 def check_head_dim(D: int, bits: int):
+    if bits < 1 or 32 % bits:
+        raise ValueError(f"bits={bits} is not supported: it must divide 32 to pack codes into uint32 words")
     per_word = 32 // bits
     if D % per_word:
         raise ValueError(
@@ -31,7 +33,21 @@ def check_head_dim(D: int, bits: int):
 
 
 def rotate(x):
+    # mx.hadamard_transform does not reject other sizes (mlx 0.32.4 CPU returns
+    # wrong values and corrupts the heap for e.g. D=72), so check first.
+    D = x.shape[-1]
+    if not can_rotate(D):
+        raise ValueError(
+            f"head dim {D} cannot be rotated: mx.hadamard_transform needs 2^k or m*2^k, m in 12, 20, 28"
+        )
     return mx.hadamard_transform(x)
+
+
+def _check_tiles(x, bits, name):
+    """Tiles must be [..., G, D] with G >= 2 tokens (std uses ddof=1)."""
+    if x.ndim < 2 or x.shape[-2] < 2:
+        raise ValueError(f"{name} tiles must have shape [..., G, D] with G >= 2; got shape {tuple(x.shape)}")
+    check_head_dim(x.shape[-1], bits)
 
 
 def _std(x, axis):
@@ -115,14 +131,21 @@ def _prepare(x, rotated):
 
 def quantize_keys(k, bits, iters=8, rotated=True, scale_dtype="float16"):
     """Key tiles k [..., G, D] (tokens x channels) -> (words [..., D, G*bits/32], a [..., D], b [..., D], t [..., G])."""
-    check_head_dim(k.shape[-1], bits)
+    _check_tiles(k, bits, "key")
+    per_word = 32 // bits
+    if k.shape[-2] % per_word:
+        # K codes are packed along tokens.
+        raise ValueError(
+            f"key tiles of {k.shape[-2]} tokens (shape {tuple(k.shape)}) cannot be packed at {bits} bits: "
+            f"G must be a multiple of {per_word}"
+        )
     M = mx.swapaxes(_prepare(k, rotated), -1, -2)
     return quantize_tiles(M, bits, iters, scale_dtype)
 
 
 def quantize_values(v, bits, iters=8, rotated=True, scale_dtype="float16"):
     """Value tiles v [..., G, D] -> (words [..., G, D*bits/32], a [..., G], b [..., G], c [..., D])."""
-    check_head_dim(v.shape[-1], bits)
+    _check_tiles(v, bits, "value")
     return quantize_tiles(_prepare(v, rotated), bits, iters, scale_dtype)
 
 
