@@ -43,6 +43,19 @@ def rotate(x):
     return mx.hadamard_transform(x)
 
 
+def unrotate(x):
+    """x -> x H^T. The Sylvester H (D = 2^k) is symmetric; for D = m * 2^k it is not."""
+    D = x.shape[-1]
+    if D & (D - 1) == 0:
+        return rotate(x)
+    if (D, x.dtype) not in _HT:
+        _HT[(D, x.dtype)] = rotate(mx.eye(D, dtype=mx.float32)).T.astype(x.dtype)
+    return x @ _HT[(D, x.dtype)]
+
+
+_HT = {}
+
+
 def _check_tiles(x, bits, name):
     """Tiles must be [..., G, D] with G >= 2 tokens (std uses ddof=1)."""
     if x.ndim < 2 or x.shape[-2] < 2:
