@@ -1,0 +1,84 @@
+"""Presets and settings (KVARN_SPEC.md section 5)."""
+
+import pytest
+
+from kvarn_mlx import config
+from kvarn_mlx.config import DEFAULT_PRESET, PRESETS, KVarNConfig, get_preset
+
+# The spec's table: name -> (K bits, V bits, G). k3v2 is optional and not shipped.
+SPEC_PRESETS = {
+    "k2v2_g128": (2, 2, 128),
+    "k4v2_g128": (4, 2, 128),
+    "k4v4_g128": (4, 4, 128),
+    "k4v2_g64": (4, 2, 64),
+}
+
+
+@pytest.mark.parametrize("name,expected", sorted(SPEC_PRESETS.items()))
+def test_preset_by_name(name, expected):
+    cfg = get_preset(name)
+    assert (cfg.k_bits, cfg.v_bits, cfg.group_size) == expected
+    assert cfg.name == name
+    # Spec defaults: sink S = G, 8 normalization iterations, float16 scales.
+    assert cfg.sink_size == cfg.group_size
+    assert cfg.iters == 8
+    assert cfg.scale_dtype == "float16"
+
+
+def test_preset_table_is_the_spec_table():
+    assert set(PRESETS) == set(SPEC_PRESETS)
+    assert DEFAULT_PRESET == "k4v2_g128"  # upstream's shipped default
+
+
+def test_overrides():
+    cfg = get_preset("k2v2_g128", sink=0, iters=16, scale_dtype="float32", v_bits=4)
+    assert (cfg.k_bits, cfg.v_bits, cfg.group_size) == (2, 4, 128)
+    assert cfg.sink_size == 0  # 0 is a real value, not "default to G"
+    assert cfg.iters == 16
+    assert cfg.scale_dtype == "float32"
+    # None means "keep the preset's value" (how CLIs pass unset flags).
+    assert get_preset("k4v2_g64", iters=None).iters == 8
+    # Overriding returns a new object; the preset table is unchanged.
+    assert PRESETS["k2v2_g128"].iters == 8
+
+
+def test_free_choice_without_preset():
+    cfg = KVarNConfig(k_bits=2, v_bits=4, group_size=64, sink=32, iters=4)
+    assert (cfg.k_bits, cfg.v_bits, cfg.group_size, cfg.sink_size, cfg.iters) == (2, 4, 64, 32, 4)
+    assert cfg.name == "k2v4_g64"
+
+
+def test_unknown_preset_lists_valid_names():
+    with pytest.raises(ValueError) as e:
+        get_preset("k1v1_g128")
+    msg = str(e.value)
+    assert "k1v1_g128" in msg
+    for name in SPEC_PRESETS:
+        assert name in msg
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(k_bits=3), "k_bits"),
+        (dict(v_bits=8), "v_bits"),
+        (dict(k_bits=0), "k_bits"),
+        (dict(group_size=32), "group_size"),
+        (dict(group_size=100), "group_size"),
+        (dict(scale_dtype="float8"), "scale_dtype"),
+        (dict(sink=-1), "sink"),
+        (dict(iters=-1), "iters"),
+    ],
+)
+def test_bad_settings_raise(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        KVarNConfig(**kwargs)
+    # The same through a preset override.
+    with pytest.raises(ValueError, match=needle):
+        get_preset("k4v2_g128", **kwargs)
+
+
+def test_supported_values_match_spec():
+    assert set(config.SUPPORTED_BITS) == {2, 4}
+    assert set(config.SUPPORTED_GROUP_SIZES) == {64, 128}
+    assert "float16" in config.SCALE_DTYPES
