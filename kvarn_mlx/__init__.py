@@ -1,5 +1,17 @@
-"""kvarn-mlx: KVarN KV-cache quantization for mlx-lm."""
+"""kvarn-mlx: KVarN KV-cache quantization for mlx-lm.
 
-from .config import DEFAULT_PRESET, PRESETS, KVarNConfig, get_preset
+Importing the package registers KVarNCache with mlx-lm's prompt-cache loader
+and routes mlx-lm's attention entry point to packed attention for KVarN caches
+(other caches are untouched; `unpatch()` undoes it).
+"""
 
-__all__ = ["DEFAULT_PRESET", "PRESETS", "KVarNConfig", "get_preset"]
+from .attention import packed_attention, patch, unpatch
+from .cache import KVarNCache, make_cache
+from .config import DEFAULT_PRESET, FP16, PRESETS, KVarNConfig, get_preset
+
+patch()
+
+__all__ = [
+    "DEFAULT_PRESET", "FP16", "PRESETS", "KVarNCache", "KVarNConfig", "get_preset",
+    "make_cache", "packed_attention", "patch", "unpatch",
+]

@@ -1,0 +1,327 @@
+"""KVarNCache: an mlx-lm KV cache that holds its tokens as KVarN tiles.
+
+Layout per layer (B batch rows, H kv heads, D head dim, G tile tokens):
+    sink_k/v  [B, H, S, D]   first S tokens, model dtype
+    tiles     [B, H, N, ...] quantized tiles in the rotated space (KVARN_SPEC 4, 7):
+        k_words [.., D, G*kbits/32], k_a, k_b [.., D], k_t [.., G]
+        v_words [.., G, D*vbits/32], v_a, v_b [.., G], v_c [.., D]
+    tail_k/v  [B, H, G, D]   newest tokens that do not fill a tile, model dtype
+Tiles are quantized once, when the tail fills, and never again.
+"""
+
+import logging
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
+
+from . import quant
+from .config import DEFAULT_PRESET, FP16, KVarNConfig, get_preset
+
+log = logging.getLogger("kvarn_mlx")
+
+_TILE_ARRAYS = ("k_words", "k_a", "k_b", "k_t", "v_words", "v_a", "v_b", "v_c")
+_SETTINGS = ("k_bits", "v_bits", "group_size", "sink", "iters", "scale_dtype")
+_warned = set()
+
+
+def _warn_once(msg):
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
+
+
+class KVarNCache(_BaseCache):
+    """KV cache quantized with KVarN; drop-in for mlx-lm's KVCache.
+
+    Attention over it runs in the packed domain once `kvarn_mlx.patch()` is on
+    (make_cache does that); `update_and_fetch` still returns correct, lazily
+    dequantized keys and values for code that bypasses the patched entry point.
+    """
+
+    step_tiles = 8  # smallest growth of tile storage, in tiles
+
+    def __init__(self, config: KVarNConfig | str = DEFAULT_PRESET):
+        self.config = get_preset(config) if isinstance(config, str) else config
+        self.offset = 0
+        self.rotated = None  # decided from the head dim at the first update
+        self.n_sink = self.n_tiles = self.n_tail = 0
+        self.sink_k = self.sink_v = self.tail_k = self.tail_v = None
+        for name in _TILE_ARRAYS:
+            setattr(self, name, None)
+        # What this step's attention sees: tiles [0, n_seen) plus `recent` in full precision.
+        self._n_seen = 0
+        self._recent = None
+
+    # -- writing -------------------------------------------------------------
+
+    def update_and_fetch(self, keys, values):
+        B, H, L, D = keys.shape
+        G, S = self.config.group_size, self.config.sink_size
+        if self.rotated is None:
+            self._start(keys, values)
+        self._n_seen = self.n_tiles
+        self.offset += L
+
+        # 1. The sink fills first.
+        n = min(L, S - self.n_sink)
+        if n > 0:
+            self.sink_k[..., self.n_sink : self.n_sink + n, :] = keys[..., :n, :]
+            self.sink_v[..., self.n_sink : self.n_sink + n, :] = values[..., :n, :]
+            self.n_sink += n
+            keys, values = keys[..., n:, :], values[..., n:, :]
+        L = keys.shape[2]
+
+        # 2. The rest joins the tail; every whole tile is quantized, once.
+        if self.n_tail + L < G:
+            self.tail_k[..., self.n_tail : self.n_tail + L, :] = keys
+            self.tail_v[..., self.n_tail : self.n_tail + L, :] = values
+            self.n_tail += L
+            self._recent = (self.tail_k[..., : self.n_tail, :], self.tail_v[..., : self.n_tail, :])
+        else:
+            rk = mx.concatenate([self.tail_k[..., : self.n_tail, :], keys], axis=2)
+            rv = mx.concatenate([self.tail_v[..., : self.n_tail, :], values], axis=2)
+            self._recent = (rk, rv)
+            m = rk.shape[2] // G
+            self._append_tiles(rk[..., : m * G, :].reshape(B, H, m, G, D),
+                               rv[..., : m * G, :].reshape(B, H, m, G, D))
+            self.n_tail = rk.shape[2] - m * G
+            self.tail_k = mx.zeros_like(self.tail_k)
+            self.tail_v = mx.zeros_like(self.tail_v)
+            self.tail_k[..., : self.n_tail, :] = rk[..., m * G :, :]
+            self.tail_v[..., : self.n_tail, :] = rv[..., m * G :, :]
+        return self.dequantized()
+
+    def _start(self, keys, values):
+        B, H, _, D = keys.shape
+        c = self.config
+        for bits in (c.k_bits, c.v_bits):
+            quant.check_head_dim(D, bits)
+        self.rotated = quant.can_rotate(D)
+        if not self.rotated:
+            _warn_once(f"head dim {D} has no Hadamard transform in MLX; KVarN runs without rotation there")
+        self.sink_k = mx.zeros((B, H, c.sink_size, D), keys.dtype)
+        self.sink_v = mx.zeros((B, H, c.sink_size, D), values.dtype)
+        self.tail_k = mx.zeros((B, H, c.group_size, D), keys.dtype)
+        self.tail_v = mx.zeros((B, H, c.group_size, D), values.dtype)
+
+    def _append_tiles(self, k_tiles, v_tiles):
+        """Quantize tiles [B, H, m, G, D] into storage at [n_tiles, n_tiles + m)."""
+        c = self.config
+        k = quant.quantize_keys(k_tiles, c.k_bits, c.iters, self.rotated, c.scale_dtype)
+        v = quant.quantize_values(v_tiles, c.v_bits, c.iters, self.rotated, c.scale_dtype)
+        m = k_tiles.shape[2]
+        need = self.n_tiles + m
+        capacity = 0 if self.k_words is None else self.k_words.shape[2]
+        if need > capacity:
+            # Geometric growth: amortized linear copying, at most ~25% room unused.
+            new_cap = max(need, capacity + max(self.step_tiles, capacity // 4))
+            for name, x in zip(_TILE_ARRAYS, (*k, *v)):
+                room = mx.zeros((*x.shape[:2], new_cap - capacity, *x.shape[3:]), x.dtype)
+                old = getattr(self, name)
+                setattr(self, name, room if old is None else mx.concatenate([old, room], axis=2))
+        for name, x in zip(_TILE_ARRAYS, (*k, *v)):
+            getattr(self, name)[:, :, self.n_tiles : need] = x
+        self.n_tiles = need
+
+    # -- reading -------------------------------------------------------------
+
+    def tiles(self, n=None):
+        """The valid tile arrays (first n tiles), in _TILE_ARRAYS order."""
+        n = self.n_tiles if n is None else n
+        return tuple(getattr(self, name)[:, :, :n] for name in _TILE_ARRAYS)
+
+    def attention_view(self):
+        """(sink_k, sink_v, tiles, recent_k, recent_v) for the current step's attention:
+        tiles quantized before this step, and everything newer in full precision."""
+        sk, sv = self.sink_k[..., : self.n_sink, :], self.sink_v[..., : self.n_sink, :]
+        tiles = self.tiles(self._n_seen) if self._n_seen else None
+        if self._recent is None:  # e.g. right after loading from a file
+            self._n_seen = self.n_tiles
+            tiles = self.tiles() if self.n_tiles else None
+            self._recent = (self.tail_k[..., : self.n_tail, :], self.tail_v[..., : self.n_tail, :])
+        return sk, sv, tiles, *self._recent
+
+    def dequantized(self):
+        """All keys and values in token order, model dtype (lazy: costs nothing unless used)."""
+        sk, sv, tiles, rk, rv = self.attention_view()
+        if tiles is None:
+            return mx.concatenate([sk, rk], axis=2), mx.concatenate([sv, rv], axis=2)
+        k, v = self._dequantize_tiles(tiles)
+        return (mx.concatenate([sk, k.astype(sk.dtype), rk], axis=2),
+                mx.concatenate([sv, v.astype(sv.dtype), rv], axis=2))
+
+    def _dequantize_tiles(self, tiles):
+        """Tiles -> unrotated float32 K, V [B, H, n*G, D]."""
+        c = self.config
+        kw, ka, kb, kt, vw, va, vb, vc = tiles
+        k = quant.dequantize_keys(kw, ka, kb, kt, c.k_bits)
+        v = quant.dequantize_values(vw, va, vb, vc, c.v_bits)
+        if self.rotated:
+            k, v = quant.unrotate(k), quant.unrotate(v)
+        B, H, n, G, D = k.shape
+        return k.reshape(B, H, n * G, D), v.reshape(B, H, n * G, D)
+
+    # -- mlx-lm cache protocol -------------------------------------------------
+
+    def size(self):
+        return self.offset
+
+    def empty(self):
+        return self.sink_k is None
+
+    def is_trimmable(self):
+        return True
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
+
+    def trim(self, n):
+        """Drop the newest n tokens. Exact inside the tail; trimming into a
+        quantized tile dequantizes that tile back into the tail (approximate)."""
+        n = max(0, min(self.offset, n))
+        if n == 0:
+            return 0
+        keep = self.offset - n
+        S, G = self.config.sink_size, self.config.group_size
+        if keep <= S:
+            self.n_sink, self.n_tiles, self.n_tail = keep, 0, 0
+        elif keep >= S + self.n_tiles * G:
+            self.n_tail = keep - S - self.n_tiles * G
+        else:
+            i, r = divmod(keep - S, G)
+            k, v = self._dequantize_tiles(self.tiles(i + 1))
+            self.tail_k = mx.zeros_like(self.tail_k)
+            self.tail_v = mx.zeros_like(self.tail_v)
+            self.tail_k[..., :r, :] = k[..., i * G : i * G + r, :].astype(self.tail_k.dtype)
+            self.tail_v[..., :r, :] = v[..., i * G : i * G + r, :].astype(self.tail_v.dtype)
+            self.n_tiles, self.n_tail = i, r
+        self.offset = keep
+        self._n_seen, self._recent = self.n_tiles, None
+        return n
+
+    # -- bytes -----------------------------------------------------------------
+
+    def _held(self):
+        return [x for x in (self.sink_k, self.sink_v, self.tail_k, self.tail_v,
+                            *(getattr(self, a) for a in _TILE_ARRAYS)) if x is not None]
+
+    @property
+    def nbytes(self):
+        """Bytes of the arrays this cache holds, preallocated room included."""
+        return sum(x.nbytes for x in self._held())
+
+    def nbytes_breakdown(self):
+        """Held bytes split into codes, scales, sink+tail (used), unused room, and total."""
+        out = {"codes": 0, "scales": 0, "sink_tail": 0, "unused": 0}
+        if self.empty():
+            return {**out, "total": 0}
+        for name in _TILE_ARRAYS:
+            x = getattr(self, name)
+            if x is None:
+                continue
+            used = x.nbytes * self.n_tiles // x.shape[2]
+            out["codes" if name.endswith("words") else "scales"] += used
+            out["unused"] += x.nbytes - used
+        for x, n in ((self.sink_k, self.n_sink), (self.sink_v, self.n_sink),
+                     (self.tail_k, self.n_tail), (self.tail_v, self.n_tail)):
+            used = x.nbytes * n // x.shape[2] if x.shape[2] else 0
+            out["sink_tail"] += used
+            out["unused"] += x.nbytes - used
+        out["total"] = sum(out.values())
+        return out
+
+    def fp16_nbytes(self):
+        """What mlx-lm's KVCache would hold for these tokens in a 2-byte dtype, unpadded."""
+        if self.empty():
+            return 0
+        B, H, _, D = self.sink_k.shape
+        return 2 * B * H * self.offset * D * 2
+
+    # -- prompt-cache files ----------------------------------------------------
+
+    @property
+    def state(self):
+        c = self.config
+        s = {name: getattr(c, name) for name in _SETTINGS}
+        s.update(offset=self.offset, rotated=self.rotated, n_sink=self.n_sink,
+                 n_tiles=self.n_tiles, n_tail=self.n_tail)
+        if not self.empty():
+            s.update(sink_k=self.sink_k[..., : self.n_sink, :], sink_v=self.sink_v[..., : self.n_sink, :],
+                     tail_k=self.tail_k[..., : self.n_tail, :], tail_v=self.tail_v[..., : self.n_tail, :])
+            if self.n_tiles:
+                s.update(zip(_TILE_ARRAYS, self.tiles()))
+        return s
+
+    @state.setter
+    def state(self, s):
+        if not isinstance(s, dict) or any(k not in s for k in (*_SETTINGS, "offset", "n_tiles")):
+            raise ValueError(
+                "not a KVarNCache state (missing settings): the prompt-cache file is corrupt "
+                "or was written by another version; delete it and build the cache again"
+            )
+        self.__init__(KVarNConfig(**{k: _scalar(s[k]) for k in _SETTINGS}))
+        self.offset, self.n_tiles = int(s["offset"]), int(s["n_tiles"])
+        self.n_sink, self.n_tail = int(s["n_sink"]), int(s["n_tail"])
+        self.rotated = None if s["rotated"] is None else bool(s["rotated"])
+        if self.offset == 0 and "sink_k" not in s:
+            return
+        try:
+            sk, sv, tk, tv = s["sink_k"], s["sink_v"], s["tail_k"], s["tail_v"]
+            B, H, _, D = sk.shape
+            G, S = self.config.group_size, self.config.sink_size
+            self.sink_k = mx.zeros((B, H, S, D), sk.dtype)
+            self.sink_v = mx.zeros((B, H, S, D), sv.dtype)
+            self.tail_k = mx.zeros((B, H, G, D), tk.dtype)
+            self.tail_v = mx.zeros((B, H, G, D), tv.dtype)
+            self.sink_k[..., : self.n_sink, :] = sk
+            self.sink_v[..., : self.n_sink, :] = sv
+            self.tail_k[..., : self.n_tail, :] = tk
+            self.tail_v[..., : self.n_tail, :] = tv
+            for name in _TILE_ARRAYS:
+                setattr(self, name, s[name] if self.n_tiles else None)
+            ok = (sk.shape[2] == self.n_sink and tk.shape[2] == self.n_tail
+                  and self.offset == self.n_sink + self.n_tiles * G + self.n_tail
+                  and (not self.n_tiles or self.k_words.shape[2] == self.n_tiles))
+        except (KeyError, ValueError, AttributeError) as e:
+            raise ValueError(f"corrupt KVarNCache state in prompt-cache file ({e}); delete it and build the cache again") from e
+        if not ok:
+            raise ValueError("corrupt KVarNCache state: token counts and array shapes disagree; delete the file and build the cache again")
+        self._n_seen, self._recent = self.n_tiles, None
+
+
+def _scalar(x):
+    return x.item() if isinstance(x, mx.array) else x
+
+
+# load_prompt_cache resolves class names in mlx_lm.models.cache's globals.
+mlx_cache.KVarNCache = KVarNCache
+
+
+def make_cache(model, preset=DEFAULT_PRESET, **overrides):
+    """The model's prompt cache with plain KVCache layers replaced by KVarNCache.
+
+    preset: a preset name, a KVarNConfig, "fp16" (plain cache), or a list with
+    one of those (or None, meaning plain) per layer. overrides set config fields
+    (e.g. sink=0). Other cache kinds (sliding-window, recurrent) are left as
+    they are. Also turns on the packed-attention patch.
+    """
+    from .attention import patch
+
+    caches = mlx_cache.make_prompt_cache(model)
+    per_layer = preset if isinstance(preset, (list, tuple)) else [preset] * len(caches)
+    if len(per_layer) != len(caches):
+        raise ValueError(f"got {len(per_layer)} per-layer presets for a model with {len(caches)} cache layers")
+    skipped = set()
+    for i, (c, p) in enumerate(zip(caches, per_layer)):
+        if p is None or p == FP16:
+            continue
+        if type(c) is not KVCache:
+            skipped.add(type(c).__name__)
+            continue
+        cfg = get_preset(p, **overrides) if isinstance(p, str) else p
+        caches[i] = KVarNCache(cfg)
+    if skipped:
+        _warn_once(f"KVarN left {', '.join(sorted(skipped))} layers as they were (only plain KVCache layers are quantized)")
+    patch()
+    return caches
