@@ -30,7 +30,7 @@ def packed_attention(queries, cache: KVarNCache, scale, mask=None, sinks=None):
     if tiles is not None:
         kw, ka, kb, kt, vw, va, vb, vc = tiles
         N, G = kt.shape[2], kt.shape[3]
-        q_rot = quant.rotate(q) if cache.rotated else q
+        q_rot = quant.rotate(q) if cache.rotate_k else q
         s = mx.quantized_matmul(q_rot[:, :, None], kw, ka[..., None].astype(f32), kb[..., None].astype(f32),
                                 transpose=False, group_size=G, bits=cache.config.k_bits)
         s = s * kt[:, :, :, None, :].astype(f32)  # [B, H, N, n_rep*L, G]
@@ -52,7 +52,7 @@ def packed_attention(queries, cache: KVarNCache, scale, mask=None, sinks=None):
     if tiles is not None:
         p_tiles = mx.swapaxes(p[..., S : S + N * G].reshape(B, H, n_rep * L, N, G), 2, 3)
         o_rot = (_tile_values(p_tiles, vw, va, vb, cache.config.v_bits, D) * vc[:, :, :, None, :].astype(f32)).sum(axis=2)
-        o = o + (quant.unrotate(o_rot) if cache.rotated else o_rot)
+        o = o + (quant.unrotate(o_rot) if cache.rotate_v else o_rot)
     return o.reshape(B, Hq, L, D).astype(queries.dtype)
 
 

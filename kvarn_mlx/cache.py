@@ -21,7 +21,7 @@ from .config import DEFAULT_PRESET, FP16, KVarNConfig, get_preset
 log = logging.getLogger("kvarn_mlx")
 
 _TILE_ARRAYS = ("k_words", "k_a", "k_b", "k_t", "v_words", "v_a", "v_b", "v_c")
-_SETTINGS = ("k_bits", "v_bits", "group_size", "sink", "iters", "scale_dtype")
+_SETTINGS = ("k_bits", "v_bits", "group_size", "sink", "iters", "scale_dtype", "rotate_keys", "rotate_values")
 _warned = set()
 
 
@@ -44,7 +44,7 @@ class KVarNCache(_BaseCache):
     def __init__(self, config: KVarNConfig | str = DEFAULT_PRESET):
         self.config = get_preset(config) if isinstance(config, str) else config
         self.offset = 0
-        self.rotated = None  # decided from the head dim at the first update
+        self.rotate_k = self.rotate_v = None  # decided at the first update (config and head dim)
         self.n_sink = self.n_tiles = self.n_tail = 0
         self.sink_k = self.sink_v = self.tail_k = self.tail_v = None
         for name in _TILE_ARRAYS:
@@ -58,7 +58,7 @@ class KVarNCache(_BaseCache):
     def update_and_fetch(self, keys, values):
         B, H, L, D = keys.shape
         G, S = self.config.group_size, self.config.sink_size
-        if self.rotated is None:
+        if self.rotate_k is None:
             self._start(keys, values)
         self._n_seen = self.n_tiles
         self.offset += L
@@ -97,9 +97,10 @@ class KVarNCache(_BaseCache):
         c = self.config
         for bits in (c.k_bits, c.v_bits):
             quant.check_head_dim(D, bits)
-        self.rotated = quant.can_rotate(D)
-        if not self.rotated:
+        if not quant.can_rotate(D) and (c.rotate_keys or c.rotate_values):
             _warn_once(f"head dim {D} has no Hadamard transform in MLX; KVarN runs without rotation there")
+        self.rotate_k = c.rotate_keys and quant.can_rotate(D)
+        self.rotate_v = c.rotate_values and quant.can_rotate(D)
         self.sink_k = mx.zeros((B, H, c.sink_size, D), keys.dtype)
         self.sink_v = mx.zeros((B, H, c.sink_size, D), values.dtype)
         self.tail_k = mx.zeros((B, H, c.group_size, D), keys.dtype)
@@ -108,8 +109,8 @@ class KVarNCache(_BaseCache):
     def _append_tiles(self, k_tiles, v_tiles):
         """Quantize tiles [B, H, m, G, D] into storage at [n_tiles, n_tiles + m)."""
         c = self.config
-        k = quant.quantize_keys(k_tiles, c.k_bits, c.iters, self.rotated, c.scale_dtype)
-        v = quant.quantize_values(v_tiles, c.v_bits, c.iters, self.rotated, c.scale_dtype)
+        k = quant.quantize_keys(k_tiles, c.k_bits, c.iters, self.rotate_k, c.scale_dtype)
+        v = quant.quantize_values(v_tiles, c.v_bits, c.iters, self.rotate_v, c.scale_dtype)
         m = k_tiles.shape[2]
         need = self.n_tiles + m
         capacity = 0 if self.k_words is None else self.k_words.shape[2]
@@ -157,8 +158,8 @@ class KVarNCache(_BaseCache):
         kw, ka, kb, kt, vw, va, vb, vc = tiles
         k = quant.dequantize_keys(kw, ka, kb, kt, c.k_bits)
         v = quant.dequantize_values(vw, va, vb, vc, c.v_bits)
-        if self.rotated:
-            k, v = quant.unrotate(k), quant.unrotate(v)
+        k = quant.unrotate(k) if self.rotate_k else k
+        v = quant.unrotate(v) if self.rotate_v else v
         B, H, n, G, D = k.shape
         return k.reshape(B, H, n * G, D), v.reshape(B, H, n * G, D)
 
@@ -244,7 +245,7 @@ class KVarNCache(_BaseCache):
     def state(self):
         c = self.config
         s = {name: getattr(c, name) for name in _SETTINGS}
-        s.update(offset=self.offset, rotated=self.rotated, n_sink=self.n_sink,
+        s.update(offset=self.offset, rotate_k=self.rotate_k, rotate_v=self.rotate_v, n_sink=self.n_sink,
                  n_tiles=self.n_tiles, n_tail=self.n_tail)
         if not self.empty():
             s.update(sink_k=self.sink_k[..., : self.n_sink, :], sink_v=self.sink_v[..., : self.n_sink, :],
@@ -263,7 +264,8 @@ class KVarNCache(_BaseCache):
         self.__init__(KVarNConfig(**{k: _scalar(s[k]) for k in _SETTINGS}))
         self.offset, self.n_tiles = int(s["offset"]), int(s["n_tiles"])
         self.n_sink, self.n_tail = int(s["n_sink"]), int(s["n_tail"])
-        self.rotated = None if s["rotated"] is None else bool(s["rotated"])
+        self.rotate_k = None if s.get("rotate_k") is None else bool(s["rotate_k"])
+        self.rotate_v = None if s.get("rotate_v") is None else bool(s["rotate_v"])
         if self.offset == 0 and "sink_k" not in s:
             return
         try:

@@ -16,6 +16,8 @@ class KVarNConfig:
     sink: S, leading tokens kept in the model's dtype (None means G).
     iters: variance-normalization iterations.
     scale_dtype: storage dtype of the absorbed scales.
+    rotate_keys, rotate_values: apply the Hadamard rotation (KVARN_SPEC 1).
+    iters=0 with no rotation is plain per-channel-K / per-token-V RTN (KIVI-style).
     """
 
     k_bits: int = 4
@@ -24,6 +26,8 @@ class KVarNConfig:
     sink: int | None = None
     iters: int = 8
     scale_dtype: str = "float16"
+    rotate_keys: bool = True
+    rotate_values: bool = True
 
     def __post_init__(self):
         for name in ("k_bits", "v_bits"):
