@@ -20,6 +20,9 @@ def packed_attention(queries, cache: KVarNCache, scale, mask=None, sinks=None):
     """queries [B, Hq, L, D] (after RoPE) over everything in `cache`."""
     B, Hq, L, D = queries.shape
     sk, sv, tiles, rk, rv = cache.attention_view()
+    # This step's full-precision tokens are needed by this call only: keeping them
+    # until the next update would hold a float copy of the tiles just quantized.
+    cache._recent = None
     H = sk.shape[1]
     n_rep = Hq // H
     f32 = mx.float32
