@@ -106,8 +106,9 @@ def _download(repo):
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     offline = (
-        f"could not download {repo} from the Hugging Face Hub (no network?). Pass a "
-        "local MLX model folder, or omit --model to use the embedded default model"
+        f"could not download {repo} from the Hugging Face Hub (no network?), and "
+        f"there is no local folder {repo}. Pass a local MLX model folder, or omit "
+        "--model to use the embedded default model"
     )
     try:
         path = Path(snapshot_download(repo, allow_patterns=DEFAULT_ALLOW_PATTERNS))
