@@ -64,10 +64,11 @@ class KVarNCache(_BaseCache):
         self.offset += L
 
         # 1. The sink fills first.
+        # It grows by concatenation: at most S tokens ever, and no unused room.
         n = min(L, S - self.n_sink)
         if n > 0:
-            self.sink_k[..., self.n_sink : self.n_sink + n, :] = keys[..., :n, :]
-            self.sink_v[..., self.n_sink : self.n_sink + n, :] = values[..., :n, :]
+            self.sink_k = mx.concatenate([self.sink_k[..., : self.n_sink, :], keys[..., :n, :]], axis=2)
+            self.sink_v = mx.concatenate([self.sink_v[..., : self.n_sink, :], values[..., :n, :]], axis=2)
             self.n_sink += n
             keys, values = keys[..., n:, :], values[..., n:, :]
         L = keys.shape[2]
@@ -101,8 +102,8 @@ class KVarNCache(_BaseCache):
             _warn_once(f"head dim {D} has no Hadamard transform in MLX; KVarN runs without rotation there")
         self.rotate_k = c.rotate_keys and quant.can_rotate(D)
         self.rotate_v = c.rotate_values and quant.can_rotate(D)
-        self.sink_k = mx.zeros((B, H, c.sink_size, D), keys.dtype)
-        self.sink_v = mx.zeros((B, H, c.sink_size, D), values.dtype)
+        self.sink_k = mx.zeros((B, H, 0, D), keys.dtype)
+        self.sink_v = mx.zeros((B, H, 0, D), values.dtype)
         self.tail_k = mx.zeros((B, H, c.group_size, D), keys.dtype)
         self.tail_v = mx.zeros((B, H, c.group_size, D), values.dtype)
 
@@ -271,13 +272,10 @@ class KVarNCache(_BaseCache):
         try:
             sk, sv, tk, tv = s["sink_k"], s["sink_v"], s["tail_k"], s["tail_v"]
             B, H, _, D = sk.shape
-            G, S = self.config.group_size, self.config.sink_size
-            self.sink_k = mx.zeros((B, H, S, D), sk.dtype)
-            self.sink_v = mx.zeros((B, H, S, D), sv.dtype)
+            G = self.config.group_size
+            self.sink_k, self.sink_v = sk, sv
             self.tail_k = mx.zeros((B, H, G, D), tk.dtype)
             self.tail_v = mx.zeros((B, H, G, D), tv.dtype)
-            self.sink_k[..., : self.n_sink, :] = sk
-            self.sink_v[..., : self.n_sink, :] = sv
             self.tail_k[..., : self.n_tail, :] = tk
             self.tail_v[..., : self.n_tail, :] = tv
             for name in _TILE_ARRAYS:

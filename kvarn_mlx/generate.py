@@ -53,13 +53,25 @@ def build_prompt(tokenizer, prompt, system_prompt=None, ignore_chat_template=Fal
     return tokenizer.encode(prompt)
 
 
+def fp16_nbytes(c):
+    """Bytes the tokens in cache layer c take as unpadded 2-byte keys and values."""
+    if isinstance(c, KVarNCache):
+        return c.fp16_nbytes()
+    keys = getattr(c, "keys", None)
+    if isinstance(keys, mx.array) and hasattr(c, "offset"):
+        B, H, _, D = keys.shape
+        return B * H * min(c.offset, keys.shape[2]) * (D + c.values.shape[-1]) * 2
+    return c.nbytes
+
+
 def kv_stats(cache):
     """Bytes held by the cache's arrays, its fp16-equivalent, and tiles quantized per layer."""
     held = sum(c.nbytes for c in cache)
     kvarn = [c for c in cache if isinstance(c, KVarNCache)]
-    fp16 = sum(c.fp16_nbytes() if isinstance(c, KVarNCache) else c.nbytes for c in cache)
+    fp16 = sum(fp16_nbytes(c) for c in cache)
     tiles = kvarn[0].n_tiles if kvarn else 0
-    return {"held": held, "fp16": fp16, "ratio": fp16 / held if held else 0.0, "tiles_per_layer": tiles,
+    unused = sum(c.nbytes_breakdown()["unused"] for c in kvarn)
+    return {"held": held, "unused": unused, "fp16": fp16, "ratio": fp16 / held if held else 0.0, "tiles_per_layer": tiles,
             "kvarn_layers": len(kvarn), "layers": len(cache)}
 
 
@@ -94,7 +106,8 @@ def print_stats(name, last, cache, out=sys.stdout):
         print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens-per-sec", file=out)
         print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens-per-sec", file=out)
         print(f"Peak memory: {last.peak_memory:.3f} GB", file=out)
-    print(f"KV bytes held: {s['held'] / 2**20:.2f} MiB vs fp16-equivalent {s['fp16'] / 2**20:.2f} MiB "
+    room = f" ({s['unused'] / 2**20:.2f} MiB of it preallocated room)" if s["unused"] else ""
+    print(f"KV bytes held: {s['held'] / 2**20:.2f} MiB{room} vs fp16-equivalent {s['fp16'] / 2**20:.2f} MiB "
           f"({s['ratio']:.2f}x)", file=out)
     if s["kvarn_layers"]:
         print(f"Tiles quantized: {s['tiles_per_layer']} per layer in {s['kvarn_layers']}/{s['layers']} layers",
