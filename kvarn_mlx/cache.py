@@ -5,7 +5,7 @@ Layout per layer (B batch rows, H kv heads, D head dim, G tile tokens):
     tiles     [B, H, N, ...] quantized tiles in the rotated space (KVARN_SPEC 4, 7):
         k_words [.., D, G*kbits/32], k_a, k_b [.., D], k_t [.., G]
         v_words [.., G, D*vbits/32], v_a, v_b [.., G], v_c [.., D]
-    tail_k/v  [B, H, G, D]   newest tokens that do not fill a tile, model dtype
+    tail_k/v  [B, H, <G, D]  newest tokens that do not fill a tile, model dtype
 Tiles are quantized once, when the tail fills, and never again.
 """
 
@@ -39,7 +39,8 @@ class KVarNCache(_BaseCache):
     dequantized keys and values for code that bypasses the patched entry point.
     """
 
-    step_tiles = 8  # smallest growth of tile storage, in tiles
+    step_tiles = 4  # tile storage grows by at least this many tiles
+    tail_step = 32  # the tail buffer grows by this many tokens
 
     def __init__(self, config: KVarNConfig | str = DEFAULT_PRESET):
         self.config = get_preset(config) if isinstance(config, str) else config
@@ -75,6 +76,7 @@ class KVarNCache(_BaseCache):
 
         # 2. The rest joins the tail; every whole tile is quantized, once.
         if self.n_tail + L < G:
+            self._grow_tail(self.n_tail + L)
             self.tail_k[..., self.n_tail : self.n_tail + L, :] = keys
             self.tail_v[..., self.n_tail : self.n_tail + L, :] = values
             self.n_tail += L
@@ -86,11 +88,7 @@ class KVarNCache(_BaseCache):
             m = rk.shape[2] // G
             self._append_tiles(rk[..., : m * G, :].reshape(B, H, m, G, D),
                                rv[..., : m * G, :].reshape(B, H, m, G, D))
-            self.n_tail = rk.shape[2] - m * G
-            self.tail_k = mx.zeros_like(self.tail_k)
-            self.tail_v = mx.zeros_like(self.tail_v)
-            self.tail_k[..., : self.n_tail, :] = rk[..., m * G :, :]
-            self.tail_v[..., : self.n_tail, :] = rv[..., m * G :, :]
+            self._new_tail(rk[..., m * G :, :], rv[..., m * G :, :])
         return self.dequantized()
 
     def _start(self, keys, values):
@@ -104,8 +102,24 @@ class KVarNCache(_BaseCache):
         self.rotate_v = c.rotate_values and quant.can_rotate(D)
         self.sink_k = mx.zeros((B, H, 0, D), keys.dtype)
         self.sink_v = mx.zeros((B, H, 0, D), values.dtype)
-        self.tail_k = mx.zeros((B, H, c.group_size, D), keys.dtype)
-        self.tail_v = mx.zeros((B, H, c.group_size, D), values.dtype)
+        self.tail_k = mx.zeros((B, H, 0, D), keys.dtype)
+        self.tail_v = mx.zeros((B, H, 0, D), values.dtype)
+
+    def _grow_tail(self, n):
+        """Room for n tail tokens, added tail_step tokens at a time (no per-token copies)."""
+        cap = self.tail_k.shape[2]
+        if n > cap:
+            new_cap = min(-(-n // self.tail_step) * self.tail_step, self.config.group_size)
+            pad = [(0, 0), (0, 0), (0, new_cap - cap), (0, 0)]
+            self.tail_k, self.tail_v = mx.pad(self.tail_k, pad), mx.pad(self.tail_v, pad)
+
+    def _new_tail(self, k, v):
+        """Start a fresh tail buffer holding k, v [B, H, r, D]."""
+        r = k.shape[2]
+        cap = -(-r // self.tail_step) * self.tail_step
+        pad = [(0, 0), (0, 0), (0, cap - r), (0, 0)]
+        self.tail_k, self.tail_v = mx.pad(k.astype(self.tail_k.dtype), pad), mx.pad(v.astype(self.tail_v.dtype), pad)
+        self.n_tail = r
 
     def _append_tiles(self, k_tiles, v_tiles):
         """Quantize tiles [B, H, m, G, D] into storage at [n_tiles, n_tiles + m)."""
@@ -116,8 +130,10 @@ class KVarNCache(_BaseCache):
         need = self.n_tiles + m
         capacity = 0 if self.k_words is None else self.k_words.shape[2]
         if need > capacity:
-            # Geometric growth: amortized linear copying, at most ~25% room unused.
-            new_cap = max(need, capacity + max(self.step_tiles, capacity // 4))
+            # What a prefill needs, or step_tiles more: at most step_tiles - 1 tiles of room. Growing copies
+            # the tiles once per step_tiles*G tokens, while every decode step's
+            # attention reads all of them: the copies add < 1/(step_tiles*G) to that.
+            new_cap = max(need, capacity + self.step_tiles)
             for name, x in zip(_TILE_ARRAYS, (*k, *v)):
                 room = mx.zeros((*x.shape[:2], new_cap - capacity, *x.shape[3:]), x.dtype)
                 old = getattr(self, name)
@@ -193,11 +209,8 @@ class KVarNCache(_BaseCache):
         else:
             i, r = divmod(keep - S, G)
             k, v = self._dequantize_tiles(self.tiles(i + 1))
-            self.tail_k = mx.zeros_like(self.tail_k)
-            self.tail_v = mx.zeros_like(self.tail_v)
-            self.tail_k[..., :r, :] = k[..., i * G : i * G + r, :].astype(self.tail_k.dtype)
-            self.tail_v[..., :r, :] = v[..., i * G : i * G + r, :].astype(self.tail_v.dtype)
-            self.n_tiles, self.n_tail = i, r
+            self._new_tail(k[..., i * G : i * G + r, :], v[..., i * G : i * G + r, :])
+            self.n_tiles = i
         self.offset = keep
         self._n_seen, self._recent = self.n_tiles, None
         return n
@@ -274,10 +287,7 @@ class KVarNCache(_BaseCache):
             B, H, _, D = sk.shape
             G = self.config.group_size
             self.sink_k, self.sink_v = sk, sv
-            self.tail_k = mx.zeros((B, H, G, D), tk.dtype)
-            self.tail_v = mx.zeros((B, H, G, D), tv.dtype)
-            self.tail_k[..., : self.n_tail, :] = tk
-            self.tail_v[..., : self.n_tail, :] = tv
+            self.tail_k, self.tail_v = tk, tv
             for name in _TILE_ARRAYS:
                 setattr(self, name, s[name] if self.n_tiles else None)
             ok = (sk.shape[2] == self.n_sink and tk.shape[2] == self.n_tail
