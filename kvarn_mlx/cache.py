@@ -61,6 +61,15 @@ class KVarNCache(_BaseCache):
         G, S = self.config.group_size, self.config.sink_size
         if self.rotate_k is None:
             self._start(keys, values)
+        else:
+            # Check before changing anything: a mismatch (e.g. a prompt-cache file made for
+            # another model) must leave the cache as it was.
+            for x, held in ((keys, self.sink_k), (values, self.sink_v)):
+                if x.shape[:2] != held.shape[:2] or x.shape[3] != held.shape[3]:
+                    b, h, _, d = held.shape
+                    raise ValueError(
+                        f"this KVarNCache holds batch {b}, {h} kv heads, head dim {d}; got keys/values of "
+                        f"shape {tuple(x.shape)} (a prompt cache made for another model?)")
         self._n_seen = self.n_tiles
         self.offset += L
 
@@ -270,6 +279,12 @@ class KVarNCache(_BaseCache):
 
     @state.setter
     def state(self, s):
+        # Restore into a fresh object: a corrupt state raises and leaves this cache as it was.
+        new = KVarNCache.__new__(KVarNCache)
+        new._set_state(s)
+        self.__dict__.update(new.__dict__)
+
+    def _set_state(self, s):
         if not isinstance(s, dict) or any(k not in s for k in (*_SETTINGS, "offset", "n_tiles")):
             raise ValueError(
                 "not a KVarNCache state (missing settings): the prompt-cache file is corrupt "
