@@ -374,3 +374,22 @@ def test_patch_leaves_other_caches_alone(name):
         kvarn_mlx.patch()
     for a, b in zip(patched, plain):
         np.testing.assert_array_equal(a, b)
+
+
+def test_nan_key_in_the_tail_behaves_like_a_float_cache_until_quantized():
+    # Documented: a NaN key still in the full-precision tail poisons the queries that see
+    # it, exactly as with mlx-lm's KVCache; once its tile is quantized it is a 0 and the
+    # output is finite again.
+    rng = np.random.default_rng(8)
+    D, G = 64, 64
+    cache = KVarNCache(KVarNConfig(k_bits=4, v_bits=2, group_size=G, sink=0))
+    k, v = kv_data(rng, 1, 1, G + 10, D)
+    k[0, 0, G + 3, 0] = np.nan
+    feed(cache, k, v)
+    q = mx.array(rng.standard_normal((1, 2, 1, D)).astype(np.float32))
+    cache.update_and_fetch(*(mx.array(x) for x in kv_data(rng, 1, 1, 1, D)))
+    assert np.isnan(np.array(packed_attention(q, cache, D**-0.5))).all()
+    cache.update_and_fetch(*(mx.array(x) for x in kv_data(rng, 1, 1, G, D)))  # fills the tile
+    cache.update_and_fetch(*(mx.array(x) for x in kv_data(rng, 1, 1, 1, D)))
+    assert cache.n_tiles == 2
+    assert np.isfinite(np.array(packed_attention(q, cache, D**-0.5))).all()
