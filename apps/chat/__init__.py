@@ -1,0 +1,1 @@
+"""Local web chat with a live view of KVarN KV-cache memory (python -m apps.chat)."""

@@ -1,0 +1,71 @@
+"""--cli: chat in the terminal. Plain input() loop; MLX runs in this thread."""
+
+import sys
+
+from .engine import ChatError, Engine
+
+HELP = "commands: /new (start over), /save FILE, /quit   (Ctrl-C stops a reply)"
+
+
+def stats_line(s):
+    line = (f"[{s['context_tokens']} ctx tokens | KV {s['held'] / 2**20:.2f} MiB vs fp16 "
+            f"{s['fp16'] / 2**20:.2f} MiB = {s['ratio']:.2f}x | {s['tps']:.1f} tok/s | "
+            f"prefilled {s['prefilled']}, reused {s['reused']}")
+    if s["kvarn_layers"]:
+        line += f" | {s['tiles_per_layer']} tiles/layer"
+    return line + "]"
+
+
+def run_cli(engine_kwargs, resume=None, inp=input, out=sys.stdout):
+    print("loading the model...", file=out, flush=True)
+    eng = Engine(**engine_kwargs)
+    messages = []
+    if resume:
+        try:
+            messages = eng.load(resume)
+        except ChatError as e:
+            print(f"error: {e}", file=out)
+            return 1
+        print(f"resumed {len(messages)} messages from {resume}", file=out)
+    print(f"{eng.name}, KV preset {eng.preset}. {HELP}", file=out, flush=True)
+    while True:
+        try:
+            line = inp("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=out)
+            return 0
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd == "/quit":
+            return 0
+        if cmd == "/new":
+            eng.new_chat()
+            messages = []
+            print("(new chat)", file=out)
+            continue
+        if cmd == "/save":
+            if not arg.strip():
+                print("usage: /save FILE", file=out)
+                continue
+            try:
+                print(f"saved to {eng.save(arg.strip())}", file=out)
+            except (OSError, ChatError) as e:
+                print(f"error: {e}", file=out)
+            continue
+        if cmd.startswith("/"):
+            print(HELP, file=out)
+            continue
+        if not line.strip():
+            continue
+        turn = messages + [{"role": "user", "content": line}]
+        try:
+            for ev in eng.chat(turn):
+                if ev["type"] == "token":
+                    print(ev["text"], end="", file=out, flush=True)
+                elif ev["type"] == "done":
+                    messages = turn + [{"role": "assistant", "content": ev["text"]}]
+                    print("\n" + stats_line(ev["stats"]), file=out, flush=True)
+        except ChatError as e:
+            print(f"error: {e}", file=out)
+        except KeyboardInterrupt:
+            # The cache may hold part of a reply; the next turn trims it away.
+            print("\n(stopped)", file=out)

@@ -1,0 +1,261 @@
+"""The chat engine: one loaded model and one KV cache kept across turns.
+
+Everything here calls MLX, so an Engine must be used from one thread only
+(the server runs it in its worker thread; the CLI in the main thread).
+
+Each turn gets the whole conversation. The engine tokenizes it, keeps the
+longest prefix already in the cache (trimming the rest: edits, regenerations,
+a different conversation) and prefills only what is new.
+"""
+
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from kvarn_mlx.cache import make_cache
+from kvarn_mlx.config import DEFAULT_PRESET, FP16, PRESETS
+from kvarn_mlx.generate import kv_stats
+from kvarn_mlx.loader import DEFAULT_NAME, load
+
+ROLES = ("system", "user", "assistant")
+PRESET_NAMES = (*PRESETS, FP16)
+STATS_EVERY = 8  # tokens between live stats events while decoding
+HISTORY_MAX = 400  # chart points kept per conversation
+
+
+class ChatError(ValueError):
+    """A request the engine refuses, with a message for the user.
+    code follows OpenAI's error codes where one fits."""
+
+    def __init__(self, message, code="invalid_request_error", status=400):
+        super().__init__(message)
+        self.code, self.status = code, status
+
+
+def model_id(spec):
+    """The public name of a --model value (None = the embedded model)."""
+    return DEFAULT_NAME if spec is None else str(spec).rstrip("/")
+
+
+def text_of(content):
+    """OpenAI message content (a string or a list of parts) as plain text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+                parts.append(p["text"])
+            else:
+                raise ChatError("only text message parts are supported")
+        return "".join(parts)
+    raise ChatError("message content must be a string or a list of text parts")
+
+
+def check_messages(messages):
+    """Validated [{role, content}] or ChatError. The last message must be a
+    non-empty user message (that is what gets answered)."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatError("'messages' must be a non-empty list")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ChatError(f"each message needs a role in {', '.join(ROLES)}")
+        out.append({"role": m["role"], "content": text_of(m.get("content"))})
+    if out[-1]["role"] != "user":
+        raise ChatError("the last message must be from the user")
+    if not out[-1]["content"].strip():
+        raise ChatError("empty message: type something to send")
+    return out
+
+
+def check_preset(preset):
+    if preset not in PRESET_NAMES:
+        raise ChatError(f"unknown KV preset {preset!r}; valid presets: {', '.join(PRESET_NAMES)}",
+                        code="invalid_preset")
+    return preset
+
+
+class Engine:
+    def __init__(self, models=(None,), preset=DEFAULT_PRESET, max_tokens=512, temp=0.0,
+                 loaded=None):
+        """models: --model values (None = embedded); the first is loaded.
+        loaded: an already loaded (model, tokenizer) for models[0] (tests)."""
+        self.specs = {model_id(s): s for s in models}
+        self.default_max_tokens, self.default_temp = max_tokens, temp
+        self.model = self.tokenizer = self.name = None
+        self.preset = check_preset(preset)
+        self.use(next(iter(self.specs)), preset, loaded=loaded)
+
+    # -- model and cache -----------------------------------------------------
+
+    def use(self, name=None, preset=None, loaded=None):
+        """Switch model and/or preset (a new, empty cache when either changes)."""
+        name = name or self.name
+        preset = check_preset(preset or self.preset)
+        if name not in self.specs:
+            raise ChatError(f"unknown model {name!r}; this server has: {', '.join(self.specs)}",
+                            code="model_not_found", status=404)
+        if name != self.name:
+            self.model = self.tokenizer = None  # free the old weights before loading
+            self.model, self.tokenizer = loaded or load(self.specs[name])
+            self.name = name
+            self.context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None) or 8192
+            self.preset = None
+        if preset != self.preset:
+            self.preset = preset
+            self.new_chat()
+
+    def new_chat(self):
+        self.cache = make_cache(self.model, self.preset)
+        self.tokens = []  # token ids held by the cache, in order
+        self.messages = []  # the conversation the cache holds (for saving)
+        self.history = []  # chart points [context, held bytes, fp16 bytes]
+        self.last = {"tps": 0.0, "prompt_tps": 0.0, "prefilled": 0, "reused": 0}
+        self._point()
+
+    def prompt_ids(self, messages):
+        if self.tokenizer.has_chat_template:
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        # No template: a plain transcript.
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return self.tokenizer.encode(text)
+
+    def count_tokens(self, messages):
+        return len(self.prompt_ids(check_messages(messages)))
+
+    def _reuse(self, ids):
+        """Trim the cache to the longest common prefix with ids; return its length.
+        At least one token is always left to prefill (it yields the first logits)."""
+        p = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            p += 1
+        p = min(p, len(ids) - 1)
+        offset = self.cache[0].offset if self.cache else 0
+        if offset > p:
+            for c in self.cache:
+                c.trim(offset - p)
+        self.tokens = self.tokens[:p]
+        return p
+
+    # -- a turn ----------------------------------------------------------------
+
+    def chat(self, messages, max_tokens=None, temp=None, top_p=1.0, stop=None):
+        """Answer the conversation; yields events (dicts with a "type"):
+        start {reused, prefill}, token {text}, stats {...}, done {text, finish_reason, usage, stats}.
+        stop: a threading.Event; when set, generation ends after the current token."""
+        messages = check_messages(messages)
+        ids = self.prompt_ids(messages)
+        if len(ids) >= self.context:
+            raise ChatError(
+                f"the conversation is {len(ids)} tokens but {self.name} has a {self.context}-token "
+                "context; shorten the message or start a new chat", code="context_length_exceeded")
+        max_tokens = self.default_max_tokens if max_tokens is None else int(max_tokens)
+        if max_tokens < 1:
+            raise ChatError("max_tokens must be at least 1")
+        max_tokens = min(max_tokens, self.context - len(ids))
+        temp = self.default_temp if temp is None else float(temp)
+
+        reused = self._reuse(ids)
+        yield {"type": "start", "reused": reused, "prefill": len(ids) - reused, "prompt_tokens": len(ids)}
+        gen, text, finish, last = [], "", "stop", None
+        stream = stream_generate(self.model, self.tokenizer, ids[reused:], max_tokens=max_tokens,
+                                 sampler=make_sampler(temp, top_p), prompt_cache=self.cache)
+        start = time.perf_counter()
+        try:
+            for r in stream:
+                last = r
+                gen.append(r.token)
+                if r.text:
+                    text += r.text
+                    yield {"type": "token", "text": r.text}
+                if r.finish_reason:
+                    finish = r.finish_reason
+                if stop is not None and stop.is_set():
+                    finish = "cancelled"
+                    break
+                if len(gen) % STATS_EVERY == 0:
+                    self.last.update(tps=r.generation_tps, prompt_tps=r.prompt_tps)
+                    yield {"type": "stats", **self.stats(point=True)}
+        finally:
+            stream.close()
+            self._settle(ids + gen)
+        if last is not None:
+            self.last.update(tps=last.generation_tps, prompt_tps=last.prompt_tps)
+        self.last.update(prefilled=len(ids) - reused, reused=reused, seconds=time.perf_counter() - start)
+        self.messages = messages + [{"role": "assistant", "content": text}]
+        n_gen = len(gen) - (finish == "stop")  # the end-of-turn token is not content
+        yield {"type": "done", "text": text, "finish_reason": finish,
+               "usage": {"prompt_tokens": len(ids), "completion_tokens": n_gen,
+                         "total_tokens": len(ids) + n_gen},
+               "stats": self.stats(point=True)}
+
+    def _settle(self, fed):
+        """Record which tokens the cache now holds. mlx-lm feeds each sampled
+        token before yielding it, so the cache holds a prefix of `fed`."""
+        offset = self.cache[0].offset
+        if offset > len(fed):  # should not happen; keep cache and tokens in step anyway
+            for c in self.cache:
+                c.trim(offset - len(fed))
+            offset = len(fed)
+        self.tokens = fed[:offset]
+
+    # -- stats -----------------------------------------------------------------
+
+    def _point(self):
+        s = kv_stats(self.cache)
+        point = [self.cache[0].offset, s["held"], s["fp16"]]
+        if not self.history or self.history[-1] != point:
+            self.history.append(point)
+            del self.history[:-HISTORY_MAX]
+        return s
+
+    def stats(self, point=False):
+        s = self._point() if point else kv_stats(self.cache)
+        return {"model": self.name, "preset": self.preset, "context_tokens": self.cache[0].offset,
+                "context_limit": self.context, "held": s["held"], "fp16": s["fp16"],
+                "ratio": s["ratio"], "unused": s["unused"], "tiles_per_layer": s["tiles_per_layer"],
+                "kvarn_layers": s["kvarn_layers"], "layers": s["layers"], **self.last,
+                "history": list(self.history)}
+
+    # -- files -----------------------------------------------------------------
+
+    def save(self, path):
+        """Save the cache, its tokens and the conversation to a prompt-cache file."""
+        path = Path(path)
+        if path.suffix != ".safetensors":  # mlx appends it anyway; keep the name honest
+            path = path.with_name(path.name + ".safetensors")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"app": "kvarn-chat", "model": self.name, "preset": self.preset,
+                "messages": json.dumps(self.messages), "tokens": json.dumps(self.tokens)}
+        mx.eval([c.state for c in self.cache if not c.empty()])
+        save_prompt_cache(str(path), self.cache, meta)
+        return path
+
+    def load(self, path):
+        """Resume a conversation saved by save(); returns its messages."""
+        try:
+            cache, meta = load_prompt_cache(str(path), return_metadata=True)
+            messages, tokens = json.loads(meta["messages"]), json.loads(meta["tokens"])
+        except FileNotFoundError:
+            raise ChatError(f"no saved conversation at {path}", status=404)
+        except Exception as e:  # mlx raises plain RuntimeError/ValueError on damaged files
+            raise ChatError(f"cannot load {path}: not a chat saved by this app ({e})")
+        if meta.get("model") not in self.specs:
+            raise ChatError(f"{path} was saved with model {meta.get('model')!r}, which this server does not have")
+        self.use(meta["model"], meta.get("preset", self.preset))
+        if len(cache) != len(self.cache) or cache[0].offset != len(tokens):
+            raise ChatError(f"{path} does not match the model's cache layout")
+        self.cache, self.tokens, self.messages = cache, tokens, messages
+        self.history = []
+        self._point()
+        return messages
