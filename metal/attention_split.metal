@@ -111,7 +111,10 @@ for (int blk = 0; blk < nblk; blk++) {
       if (gs < cnt) {
         for (int j = 0; j < DPC; j++) {
           const int d = cp * DPC + j;
-          const float kv = float(is_sink ? sink_k[dbase + size_t(gs) * D + d] : tail_k[dbase + size_t(gs) * D + d]);
+          // if/else, not ?: -- a 1-element placeholder buffer is `constant`, the other `device`
+          float kv;
+          if (is_sink) kv = float(sink_k[dbase + size_t(gs) * D + d]);
+          else kv = float(tail_k[dbase + size_t(gs) * D + d]);
           for (int r = 0; r < RC; r++) acc[r] += QA[r * D + d] * kv;
         }
       }
@@ -174,8 +177,13 @@ for (int blk = 0; blk < nblk; blk++) {
     for (int g = tl; g < G; g += TL) {
       float val[CPT];
       if (dense) {
-        for (int j = 0; j < CPT; j++)
-          val[j] = g < cnt ? float(is_sink ? sink_v[dbase + size_t(g) * D + d0 + j] : tail_v[dbase + size_t(g) * D + d0 + j]) : 0.0f;
+        for (int j = 0; j < CPT; j++) {
+          val[j] = 0.0f;
+          if (g < cnt) {
+            if (is_sink) val[j] = float(sink_v[dbase + size_t(g) * D + d0 + j]);
+            else val[j] = float(tail_v[dbase + size_t(g) * D + d0 + j]);
+          }
+        }
       } else {
         const uint w = v_words[(tb * G + g) * VW + d0 / VPER];
         const int sh = VB * (d0 % VPER);
