@@ -672,7 +672,7 @@ def _window(x, a, b):
 def accumulation_summary(res, sink=SINK):
     L = res["context"]
     first = (sink + G, min(L, sink + G + 512))  # first quantized positions
-    last = (max(first[1], L - 512), L)
+    last = (max(sink + G, L - 512), L)  # may overlap "first" on short contexts
     rows = []
     for name, r in res["methods"].items():
         acc, sta = r["accumulated"].mean(axis=0), r["static"].mean(axis=0)
