@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx_lm.models import base
 
 from . import quant
-from .cache import KVarNCache
+from .cache import KVarNCache, rotated_where
 
 
 def packed_attention(queries, cache: KVarNCache, scale, mask=None, sinks=None):
@@ -28,12 +28,14 @@ def packed_attention(queries, cache: KVarNCache, scale, mask=None, sinks=None):
     f32 = mx.float32
     # Query heads sharing a kv head become rows of one matrix: [B, H, n_rep*L, D].
     q = (queries.astype(f32) * scale).reshape(B, H, n_rep * L, D)
+    if cache._key_candidates is not None:  # "auto": decide key rotation with real queries
+        cache.decide_key_rotation(q)
 
     scores = [q @ mx.swapaxes(sk, -1, -2).astype(f32)]
     if tiles is not None:
         kw, ka, kb, kt, vw, va, vb, vc = tiles
         N, G = kt.shape[2], kt.shape[3]
-        q_rot = quant.rotate(q) if cache.rotate_k else q
+        q_rot = rotated_where(cache.rotate_k, q, quant.rotate)
         s = mx.quantized_matmul(q_rot[:, :, None], kw, ka[..., None].astype(f32), kb[..., None].astype(f32),
                                 transpose=False, group_size=G, bits=cache.config.k_bits)
         s = s * kt[:, :, :, None, :].astype(f32)  # [B, H, N, n_rep*L, G]

@@ -45,7 +45,10 @@ class KVarNCache(_BaseCache):
     def __init__(self, config: KVarNConfig | str = DEFAULT_PRESET):
         self.config = get_preset(config) if isinstance(config, str) else config
         self.offset = 0
-        self.rotate_k = self.rotate_v = None  # decided at the first update (config and head dim)
+        # Rotation flags, decided at the first update from the config and head dim;
+        # rotate_k becomes a bool array [H] once an "auto" decision is made.
+        self.rotate_k = self.rotate_v = None
+        self._key_candidates = None  # "auto": both key variants of the first tiles, until decided
         self.n_sink = self.n_tiles = self.n_tail = 0
         self.sink_k = self.sink_v = self.tail_k = self.tail_v = None
         for name in _TILE_ARRAYS:
@@ -107,7 +110,7 @@ class KVarNCache(_BaseCache):
             quant.check_head_dim(D, bits)
         if not quant.can_rotate(D) and (c.rotate_keys or c.rotate_values):
             _warn_once(f"head dim {D} has no Hadamard transform in MLX; KVarN runs without rotation there")
-        self.rotate_k = c.rotate_keys and quant.can_rotate(D)
+        self.rotate_k = bool(c.rotate_keys) and quant.can_rotate(D)  # "auto" starts rotated
         self.rotate_v = c.rotate_values and quant.can_rotate(D)
         self.sink_k = mx.zeros((B, H, 0, D), keys.dtype)
         self.sink_v = mx.zeros((B, H, 0, D), values.dtype)
@@ -133,7 +136,12 @@ class KVarNCache(_BaseCache):
     def _append_tiles(self, k_tiles, v_tiles):
         """Quantize tiles [B, H, m, G, D] into storage at [n_tiles, n_tiles + m)."""
         c = self.config
-        k = quant.quantize_keys(k_tiles, c.k_bits, c.iters, self.rotate_k, c.scale_dtype)
+        if self._key_candidates is not None:  # nobody decided with queries (fallback path)
+            self.decide_key_rotation()
+        if c.rotate_keys == "auto" and self.rotate_k is True:
+            k = self._quantize_key_candidates(k_tiles)
+        else:
+            k = self._quantize_keys(k_tiles)
         v = quant.quantize_values(v_tiles, c.v_bits, c.iters, self.rotate_v, c.scale_dtype)
         m = k_tiles.shape[2]
         need = self.n_tiles + m
@@ -150,6 +158,63 @@ class KVarNCache(_BaseCache):
         for name, x in zip(_TILE_ARRAYS, (*k, *v)):
             getattr(self, name)[:, :, self.n_tiles : need] = x
         self.n_tiles = need
+
+    def _quantize_keys(self, k_tiles):
+        c = self.config
+        if isinstance(self.rotate_k, mx.array):  # per-head choice: rotate only those heads
+            k_tiles = quant.sanitize(k_tiles)
+            k_tiles = mx.where(self.rotate_k[:, None, None, None], quant.rotate(k_tiles), k_tiles)
+            return quant.quantize_keys(k_tiles, c.k_bits, c.iters, False, c.scale_dtype)
+        return quant.quantize_keys(k_tiles, c.k_bits, c.iters, self.rotate_k, c.scale_dtype)
+
+    # -- "auto" key rotation (beyond the paper) ----------------------------------
+
+    def _quantize_key_candidates(self, k_tiles):
+        """Quantize the first key tiles both ways; keep both until decide_key_rotation."""
+        c = self.config
+        rot = quant.quantize_keys(k_tiles, c.k_bits, c.iters, True, c.scale_dtype)
+        plain = quant.quantize_keys(k_tiles, c.k_bits, c.iters, False, c.scale_dtype)
+        self._key_candidates = (k_tiles, rot, plain, self.n_tiles)
+        return rot
+
+    def decide_key_rotation(self, queries=None):
+        """Per kv head, keep the key variant whose attention over these tiles,
+        softmax(q k_hat), is closer (L1) to softmax(q k).
+
+        queries [B, H, rows, D] are the step's unrotated queries, already times
+        the softmax scale, grouped by kv head; without them the keys stand in.
+        Rotation stays unless the unrotated keys' error is below
+        KEY_ROTATION_MARGIN times the rotated keys' error."""
+        k_tiles, rot, plain, start = self._key_candidates
+        self._key_candidates = None
+        B, H, m, G, D = k_tiles.shape
+        k = k_tiles.reshape(B, H, m * G, D).astype(mx.float32)
+        q = k * D**-0.5 if queries is None else queries.astype(mx.float32)
+        p = mx.softmax(q @ mx.swapaxes(k, -1, -2), axis=-1, precise=True)
+        c = self.config
+
+        # Softmax ignores score errors that are the same for every key of a query;
+        # comparing attention distributions counts only the errors that matter.
+        def attention_error(words, a, b, t, rotated):
+            k_hat = quant.dequantize_keys(words, a, b, t, c.k_bits).reshape(B, H, m * G, D)
+            k_hat = quant.unrotate(k_hat) if rotated else k_hat
+            p_hat = mx.softmax(q @ mx.swapaxes(k_hat, -1, -2), axis=-1, precise=True)
+            return mx.mean(mx.abs(p_hat - p).sum(axis=-1), axis=(0, 2))  # per kv head
+
+        keep_rot = attention_error(*rot, True) * KEY_ROTATION_MARGIN <= attention_error(*plain, False)
+        self.rotate_k = keep_rot
+        chosen = [mx.where(keep_rot.reshape(1, H, *([1] * (r.ndim - 2))), r, p) for r, p in zip(rot, plain)]
+        for name, x in zip(_TILE_ARRAYS[:4], chosen):
+            getattr(self, name)[:, :, start : start + m] = x
+        return keep_rot
+
+    def key_rotation_summary(self):
+        """(rotated kv heads, all kv heads) for this layer, or None before any decision."""
+        if self.rotate_k is None or self._key_candidates is not None:
+            return None
+        if isinstance(self.rotate_k, mx.array):
+            return int(self.rotate_k.sum()), self.rotate_k.size
+        return (self.sink_k.shape[1] if self.rotate_k else 0), self.sink_k.shape[1]
 
     # -- reading -------------------------------------------------------------
 
@@ -184,7 +249,7 @@ class KVarNCache(_BaseCache):
         kw, ka, kb, kt, vw, va, vb, vc = tiles
         k = quant.dequantize_keys(kw, ka, kb, kt, c.k_bits)
         v = quant.dequantize_values(vw, va, vb, vc, c.v_bits)
-        k = quant.unrotate(k) if self.rotate_k else k
+        k = rotated_where(self.rotate_k, k, quant.unrotate)
         v = quant.unrotate(v) if self.rotate_v else v
         B, H, n, G, D = k.shape
         return k.reshape(B, H, n * G, D), v.reshape(B, H, n * G, D)
@@ -266,6 +331,8 @@ class KVarNCache(_BaseCache):
 
     @property
     def state(self):
+        if self._key_candidates is not None:
+            self.decide_key_rotation()
         c = self.config
         s = {name: getattr(c, name) for name in _SETTINGS}
         s.update(offset=self.offset, rotate_k=self.rotate_k, rotate_v=self.rotate_v, n_sink=self.n_sink,
@@ -293,7 +360,7 @@ class KVarNCache(_BaseCache):
         self.__init__(KVarNConfig(**{k: _scalar(s[k]) for k in _SETTINGS}))
         self.offset, self.n_tiles = int(s["offset"]), int(s["n_tiles"])
         self.n_sink, self.n_tail = int(s["n_sink"]), int(s["n_tail"])
-        self.rotate_k = None if s.get("rotate_k") is None else bool(s["rotate_k"])
+        self.rotate_k = _flag(s.get("rotate_k"))
         self.rotate_v = None if s.get("rotate_v") is None else bool(s["rotate_v"])
         if self.offset == 0 and "sink_k" not in s:
             return
@@ -316,7 +383,29 @@ class KVarNCache(_BaseCache):
 
 
 def _scalar(x):
-    return x.item() if isinstance(x, mx.array) else x
+    return x.item() if isinstance(x, mx.array) and x.ndim == 0 else x
+
+
+def _flag(x):
+    """A rotation flag from a state: None, a bool, or a per-head bool array."""
+    if x is None:
+        return None
+    if isinstance(x, mx.array) and x.ndim:
+        return x.astype(mx.bool_)
+    return bool(_scalar(x))
+
+
+def rotated_where(flag, x, fn):
+    """fn(x) where flag says so: flag is a bool, or a per-kv-head bool array for x [B, H, ...]."""
+    if isinstance(flag, mx.array):
+        return mx.where(flag.reshape(1, -1, *([1] * (x.ndim - 2))), fn(x), x)
+    return fn(x) if flag else x
+
+
+# Keep key rotation unless unrotated keys' attention error is below this fraction
+# of the rotated keys' (ties go to the paper's choice; 0.95 measured on tiny models
+# with and without outlier key channels, tests/test_auto_rotation.py).
+KEY_ROTATION_MARGIN = 0.95
 
 
 # load_prompt_cache resolves class names in mlx_lm.models.cache's globals.

@@ -17,6 +17,8 @@ class KVarNConfig:
     iters: variance-normalization iterations.
     scale_dtype: storage dtype of the absorbed scales.
     rotate_keys, rotate_values: apply the Hadamard rotation (KVARN_SPEC 1).
+        rotate_keys="auto" decides per kv head, at the first quantized tiles,
+        whichever of rotated / unrotated keys gives the smaller score error.
     iters=0 with no rotation is plain per-channel-K / per-token-V RTN (KIVI-style).
     """
 
@@ -26,7 +28,7 @@ class KVarNConfig:
     sink: int | None = None
     iters: int = 8
     scale_dtype: str = "float16"
-    rotate_keys: bool = True
+    rotate_keys: bool | str = True
     rotate_values: bool = True
 
     def __post_init__(self):
@@ -43,6 +45,8 @@ class KVarNConfig:
             raise ValueError(f"sink={self.sink} must be >= 0")
         if self.iters < 0:
             raise ValueError(f"iters={self.iters} must be >= 0")
+        if self.rotate_keys not in (True, False, "auto"):
+            raise ValueError(f"rotate_keys={self.rotate_keys!r} must be True, False or 'auto'")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(
                 f"scale_dtype={self.scale_dtype!r} is not supported; use one of {SCALE_DTYPES}"
@@ -54,7 +58,8 @@ class KVarNConfig:
 
     @property
     def name(self) -> str:
-        return f"k{self.k_bits}v{self.v_bits}_g{self.group_size}"
+        name = f"k{self.k_bits}v{self.v_bits}_g{self.group_size}"
+        return name + "_auto" if self.rotate_keys == "auto" else name
 
 
 PRESETS = {
@@ -62,6 +67,9 @@ PRESETS = {
     "k4v2_g128": KVarNConfig(k_bits=4, v_bits=2, group_size=128),
     "k4v4_g128": KVarNConfig(k_bits=4, v_bits=4, group_size=128),
     "k4v2_g64": KVarNConfig(k_bits=4, v_bits=2, group_size=64),
+    # Beyond the paper: key rotation chosen per kv head (values always rotated).
+    "auto2": KVarNConfig(k_bits=2, v_bits=2, group_size=128, rotate_keys="auto"),
+    "auto4v2": KVarNConfig(k_bits=4, v_bits=2, group_size=128, rotate_keys="auto"),
 }
 DEFAULT_PRESET = "k4v2_g128"
 # Not a KVarN setting: the name the CLIs use for mlx-lm's plain float cache.

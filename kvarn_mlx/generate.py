@@ -112,6 +112,12 @@ def print_stats(name, last, cache, out=sys.stdout):
     if s["kvarn_layers"]:
         print(f"Tiles quantized: {s['tiles_per_layer']} per layer in {s['kvarn_layers']}/{s['layers']} layers",
               file=out)
+    decided = [c.key_rotation_summary() for c in cache
+               if isinstance(c, KVarNCache) and c.config.rotate_keys == "auto"]
+    decided = [d for d in decided if d is not None]
+    if decided:
+        print(f"Key rotation (auto): {sum(r for r, _ in decided)}/{sum(n for _, n in decided)} kv heads rotated, "
+              f"decided in {len(decided)} layers", file=out)
     return s
 
 

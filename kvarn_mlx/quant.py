@@ -137,8 +137,13 @@ def quantize_tiles(M, bits, iters=8, scale_dtype="float16"):
     return pack(code, bits), a.astype(dt), b.astype(dt), col.astype(dt)
 
 
+def sanitize(x):
+    """float32, NaN -> 0, clamped to +/-LIMIT."""
+    return mx.clip(mx.nan_to_num(x.astype(mx.float32), nan=0.0), -LIMIT, LIMIT)
+
+
 def _prepare(x, rotated):
-    x = mx.clip(mx.nan_to_num(x.astype(mx.float32), nan=0.0), -LIMIT, LIMIT)
+    x = sanitize(x)
     return rotate(x) if rotated else x
 
 

@@ -26,8 +26,14 @@ def test_preset_by_name(name, expected):
 
 
 def test_preset_table_is_the_spec_table():
-    assert set(PRESETS) == set(SPEC_PRESETS)
+    # The spec's presets, unchanged, plus the "auto" family (key rotation per head).
+    assert set(PRESETS) == set(SPEC_PRESETS) | {"auto2", "auto4v2"}
     assert DEFAULT_PRESET == "k4v2_g128"  # upstream's shipped default
+    for name in ("auto2", "auto4v2"):
+        cfg = get_preset(name)
+        assert cfg.rotate_keys == "auto" and cfg.rotate_values is True
+        fixed = get_preset("k2v2_g128" if name == "auto2" else "k4v2_g128")
+        assert (cfg.k_bits, cfg.v_bits, cfg.group_size, cfg.iters) == (fixed.k_bits, fixed.v_bits, fixed.group_size, fixed.iters)
 
 
 def test_overrides():

@@ -1,0 +1,104 @@
+"""The "auto" key rotation (issue 7): per kv head, rotated or plain keys,
+decided once from the first quantized tiles and the queries of that step."""
+
+import importlib
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+from kvarn_mlx import KVarNCache, get_preset, make_cache, patch, unpatch
+from models import tiny_model, tokens
+
+BASE = get_preset("k2v2_g128", group_size=64, sink=64)
+VARIANTS = {"kvarn": BASE, "plain_keys": replace(BASE, rotate_keys=False), "auto": replace(BASE, rotate_keys="auto")}
+
+
+def outlier_model(kind):
+    """Tiny models whose keys carry strong per-channel structure on 3 channels."""
+    if kind == "qwen3_knorm":  # large per-channel gains from k_norm
+        mod = importlib.import_module("mlx_lm.models.qwen3")
+        mx.random.seed(0)
+        model = mod.Model(mod.ModelArgs.from_dict(dict(
+            model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, vocab_size=256,
+            tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=10000)))
+        for layer in model.layers:
+            layer.self_attn.k_norm.weight = mx.ones((64,)).at[mx.array([3, 17, 40])].add(mx.array([30.0, 20.0, 25.0]))
+        return model
+    model = tiny_model("qwen2")  # large per-channel offsets from the k_proj bias
+    for layer in model.layers:
+        bias = mx.zeros(layer.self_attn.k_proj.bias.shape).at[mx.array([3, 17, 40])].add(mx.array([40.0, -30.0, 25.0]))
+        layer.self_attn.k_proj.bias = bias
+    return model
+
+
+def logits(model, toks, cache, chunk=64):
+    return mx.concatenate([model(mx.array(toks[i : i + chunk])[None], cache=cache)[0]
+                           for i in range(0, len(toks), chunk)])
+
+
+def mean_kl(model, toks, config, skip=64):
+    """Teacher-forced KL(fp cache || KVarN cache) per position after the sink, and the cache."""
+    ref = logits(model, toks, make_prompt_cache(model))
+    cache = make_cache(model, config)
+    out = logits(model, toks, cache)
+    lp = ref - mx.logsumexp(ref, -1, keepdims=True)
+    lq = out - mx.logsumexp(out, -1, keepdims=True)
+    return float((mx.exp(lp) * (lp - lq)).sum(-1)[skip:].mean()), cache
+
+
+def rotated_heads(cache):
+    return [c.key_rotation_summary() for c in cache if isinstance(c, KVarNCache)]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_knorm", "qwen2_bias"])
+def test_auto_drops_key_rotation_on_outlier_channels(kind):
+    model, toks = outlier_model(kind), tokens(640)
+    kl = {name: mean_kl(model, toks, cfg) for name, cfg in VARIANTS.items()}
+    assert all(r == 0 for r, _ in rotated_heads(kl["auto"][1])), rotated_heads(kl["auto"][1])
+    best = min(kl["kvarn"][0], kl["plain_keys"][0])
+    assert kl["auto"][0] <= 1.10 * best, {k: v[0] for k, v in kl.items()}
+    # The case exists: rotation really is the worse choice on these keys.
+    assert kl["plain_keys"][0] < kl["kvarn"][0]
+
+
+def test_auto_keeps_rotation_without_outlier_channels():
+    model, toks = tiny_model("llama64"), tokens(640)
+    kl = {name: mean_kl(model, toks, cfg) for name, cfg in VARIANTS.items()}
+    summary = rotated_heads(kl["auto"][1])
+    assert sum(r for r, _ in summary) >= 0.75 * sum(n for _, n in summary), summary
+    assert kl["auto"][0] <= 1.10 * min(kl["kvarn"][0], kl["plain_keys"][0])
+
+
+def test_decision_survives_prompt_cache_files(tmp_path):
+    model, toks = outlier_model("qwen2_bias"), tokens(400)
+    cache = make_cache(model, VARIANTS["auto"])
+    logits(model, toks, cache)
+    path = str(tmp_path / "auto.safetensors")
+    save_prompt_cache(path, cache)
+    loaded = load_prompt_cache(path)
+    assert rotated_heads(loaded) == rotated_heads(cache)
+    nxt = mx.array(tokens(3, seed=1))[None]
+    assert mx.allclose(model(nxt, cache=cache), model(nxt, cache=loaded), atol=1e-4).item()
+
+
+def test_decision_without_queries_on_the_fallback_path():
+    # Models that bypass the patched entry point never hand queries over: the
+    # keys stand in, at the next update, and the cache still decides.
+    model, toks = outlier_model("qwen2_bias"), tokens(400)
+    unpatch()
+    try:
+        cache = make_cache(model, VARIANTS["auto"])
+        unpatch()  # make_cache turned it on
+        logits(model, toks, cache)
+    finally:
+        patch()
+    assert all(s is not None for s in rotated_heads(cache))
+
+
+def test_auto_config_is_validated():
+    with pytest.raises(ValueError, match="rotate_keys"):
+        replace(BASE, rotate_keys="sometimes")
+    assert get_preset("auto2").rotate_keys == "auto" and get_preset("auto4v2").k_bits == 4
