@@ -243,11 +243,11 @@ class Engine:
 
     def load(self, path):
         """Resume a conversation saved by save(); returns its messages."""
+        if not Path(path).is_file():
+            raise ChatError(f"no saved conversation at {path}", status=404)
         try:
             cache, meta = load_prompt_cache(str(path), return_metadata=True)
             messages, tokens = json.loads(meta["messages"]), json.loads(meta["tokens"])
-        except FileNotFoundError:
-            raise ChatError(f"no saved conversation at {path}", status=404)
         except Exception as e:  # mlx raises plain RuntimeError/ValueError on damaged files
             raise ChatError(f"cannot load {path}: not a chat saved by this app ({e})")
         if meta.get("model") not in self.specs:

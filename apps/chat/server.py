@@ -149,7 +149,7 @@ def create_app(worker: Worker, save_dir: Path):
     async def health(request):
         return JSONResponse({"ready": worker.ready.is_set() and worker.engine is not None,
                              "loading": not worker.ready.is_set(), "error": worker.error,
-                             "queued": worker.busy()})
+                             "queued": worker.busy(), "last_reply": worker.last_reply})
 
     async def info(request):
         try:

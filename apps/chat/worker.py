@@ -37,6 +37,7 @@ class Worker:
         self.engine = None
         self.error = None  # why the engine failed to start, if it did
         self.initial_stats = {}
+        self.last_reply = None
         self.ready = threading.Event()
         self._jobs = deque()
         self._cv = threading.Condition()
@@ -102,6 +103,9 @@ class Worker:
             if hasattr(out, "__next__"):
                 for ev in out:
                     job.emit(ev)
+                    if ev.get("type") == "done":  # for /api/health: did a cancelled reply stop promptly?
+                        self.last_reply = {"finish_reason": ev["finish_reason"],
+                                           "completion_tokens": ev["usage"]["completion_tokens"]}
             else:
                 job.emit({"type": "result", "value": out})
         except ChatError as e:

@@ -1,0 +1,415 @@
+"""The chat app (apps/chat): engine cache reuse, save/resume, the CLI, the
+OpenAI-compatible API under bad input and concurrency, and the page in
+headless Chromium. Server tests start `python -m apps.chat` on a free loopback
+port in a subprocess and always stop it."""
+
+import io
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from apps.chat.engine import ChatError, Engine
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "tests" / "artifacts"
+BLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+MAX_TOKENS = int(os.environ.get("KVARN_APP_TEST_MAX_TOKENS", "12"))  # the server's default reply length
+LICENSE = Path("/usr/share/common-licenses/Apache-2.0")
+
+
+def long_text(words):
+    """Real prose: several hundred tokens so whole tiles get quantized."""
+    if LICENSE.exists():
+        text = LICENSE.read_text()
+    else:
+        import pydoc_data.topics
+
+        text = pydoc_data.topics.topics["assert"]
+    return " ".join(text.split()[:words])
+
+
+# -- engine (in-process, the session model) ---------------------------------
+
+
+@pytest.fixture
+def engine(smollm):
+    return Engine(preset="fp16", max_tokens=6, loaded=smollm)
+
+
+def run(eng, messages, **kw):
+    events = list(eng.chat(messages, **kw))
+    start = next(e for e in events if e["type"] == "start")
+    done = events[-1]
+    assert done["type"] == "done"
+    assert eng.cache[0].offset == len(eng.tokens)  # the engine knows what the cache holds
+    return start, done
+
+
+def test_engine_prefills_only_the_new_turn(engine):
+    first = [{"role": "user", "content": "Name a color."}]
+    s1, d1 = run(engine, first)
+    assert s1["reused"] == 0 and s1["prefill"] == s1["prompt_tokens"]
+    second = first + [{"role": "assistant", "content": d1["text"]}, {"role": "user", "content": "Another one?"}]
+    s2, d2 = run(engine, second)
+    # Everything up to the end of the first reply comes from the cache.
+    assert s2["reused"] >= s1["prompt_tokens"] + d1["usage"]["completion_tokens"] - 1
+    assert s2["prefill"] < 20
+    assert d2["stats"]["reused"] == s2["reused"]
+
+
+def test_engine_regenerate_and_edit_trim(engine):
+    msgs = [{"role": "user", "content": "Say hello."}]
+    s1, d1 = run(engine, msgs)
+    offset = engine.cache[0].offset
+    # Regenerate: the reply is trimmed away, the prompt reused, greedy decoding repeats itself.
+    s2, d2 = run(engine, msgs)
+    assert s2["reused"] == s1["prompt_tokens"] - 1 and s2["prefill"] == 1
+    assert d2["text"] == d1["text"]
+    # Edit the message: the cache goes back to the common prefix.
+    s3, _ = run(engine, [{"role": "user", "content": "Say goodbye."}])
+    assert s3["reused"] < s1["prompt_tokens"] - 1 and s3["reused"] < offset
+
+
+def test_engine_trims_into_quantized_tiles(smollm):
+    eng = Engine(preset="k4v2_g64", max_tokens=4, loaded=smollm)
+    text = long_text(220)
+    s1, d1 = run(eng, [{"role": "user", "content": text + "\nWhat is this?"}])
+    assert d1["stats"]["tiles_per_layer"] >= 3
+    # An edit inside the quantized region: trim dequantizes the boundary tile back into the tail.
+    s2, d2 = run(eng, [{"role": "user", "content": text[: len(text) // 2] + "\nSummarize."}])
+    assert 64 < s2["reused"] < s1["prompt_tokens"] - 64
+    assert d2["usage"]["completion_tokens"] >= 1
+
+
+def test_engine_save_and_resume(engine, smollm, tmp_path):
+    msgs = [{"role": "user", "content": "Name a fruit."}]
+    _, d1 = run(engine, msgs)
+    path = engine.save(tmp_path / "chat")
+    assert path.name == "chat.safetensors" and path.exists()
+    other = Engine(preset="k4v2_g128", max_tokens=6, loaded=smollm)
+    resumed = other.load(path)
+    assert resumed == msgs + [{"role": "assistant", "content": d1["text"]}]
+    assert other.preset == "fp16" and other.cache[0].offset == engine.cache[0].offset
+    s, _ = run(other, resumed + [{"role": "user", "content": "And a vegetable?"}])
+    assert s["reused"] >= engine.cache[0].offset - 1  # the loaded cache is reused, not recomputed
+    with pytest.raises(ChatError, match="no saved conversation"):
+        other.load(tmp_path / "missing.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a cache")
+    with pytest.raises(ChatError, match="cannot load"):
+        other.load(tmp_path / "junk.safetensors")
+
+
+def test_engine_refuses_bad_turns(engine):
+    with pytest.raises(ChatError, match="empty message"):
+        list(engine.chat([{"role": "user", "content": "  \n"}]))
+    with pytest.raises(ChatError, match="8192-token context"):
+        list(engine.chat([{"role": "user", "content": " word" * 9000}]))
+    with pytest.raises(ChatError, match="last message"):
+        list(engine.chat([{"role": "assistant", "content": "hi"}]))
+    with pytest.raises(ChatError, match="unknown KV preset"):
+        engine.use(preset="k3v3")
+    with pytest.raises(ChatError, match="unknown model"):
+        engine.use("no-such-model")
+    run(engine, [{"role": "user", "content": "Still there?"}])
+
+
+def test_cli_commands(smollm, tmp_path):
+    from apps.chat.cli import run_cli
+
+    lines = iter(["Hi!", "", f"/save {tmp_path / 'c'}", "/new", "/quit"])
+    out = io.StringIO()
+    assert run_cli(dict(preset="k4v2_g128", max_tokens=5, loaded=smollm), inp=lambda _: next(lines), out=out) == 0
+    text = out.getvalue()
+    assert re.search(r"\[\d+ ctx tokens \| KV [\d.]+ MiB vs fp16 [\d.]+ MiB = [\d.]+x \| [\d.]+ tok/s", text), text
+    assert "saved to" in text and "(new chat)" in text
+    out = io.StringIO()
+    run_cli(dict(preset="k4v2_g128", max_tokens=5, loaded=smollm), resume=str(tmp_path / "c.safetensors"),
+            inp=lambda _: "/quit", out=out)
+    assert "resumed 2 messages" in out.getvalue()
+
+
+# -- the server (subprocess) --------------------------------------------------
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    for mod in ("starlette", "uvicorn", "sse_starlette", "httpx"):
+        pytest.importorskip(mod, reason="the web app needs the 'app' extra: pip install -e '.[app]'")
+    import httpx
+
+    port, tmp = free_port(), tmp_path_factory.mktemp("chat")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if os.path.exists(BLAS) and "LD_PRELOAD" not in env:
+        env["LD_PRELOAD"] = BLAS
+    log = open(tmp / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "apps.chat", "--port", str(port), "--max-tokens", str(MAX_TOKENS),
+                             "--save-dir", str(tmp / "saved")], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                pytest.fail(f"the chat server did not come up:\n{log.read()}")
+            try:
+                if httpx.get(url + "/api/health", timeout=2).json()["ready"]:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+
+
+def post(url, body, timeout=60, **kw):
+    import httpx
+
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(url, content=data, headers={"Content-Type": "application/json"}, timeout=timeout, **kw)
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def ok_request(server, max_tokens=3):
+    r = post(server + "/v1/chat/completions", {"model": "SmolLM2-135M-Instruct", "messages": user("Hi"),
+                                                "max_tokens": max_tokens})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_openai_client(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server + "/v1", api_key="local", timeout=120, max_retries=0)
+    assert "SmolLM2-135M-Instruct" in [m.id for m in client.models.list().data]
+
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=user("What is the capital of France?"),
+                                       max_tokens=8, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content.strip()
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 8 and r.usage.prompt_tokens > 10
+
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=user("Count to five."),
+                                            max_tokens=8, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"kv_preset": "k4v2_g64"})
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            pieces.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    assert len([p for p in pieces if p]) > 1 and "".join(pieces).strip()
+    assert finish in ("stop", "length") and usage.completion_tokens >= 1
+
+    with pytest.raises(openai.NotFoundError, match="unknown model"):
+        client.chat.completions.create(model="gpt-4o", messages=user("hi"), max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="unknown KV preset"):
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=user("hi"), max_tokens=2,
+                                       extra_body={"kv_preset": "k8v8"})
+
+
+def test_bad_input_leaves_server_up(server):
+    api = server + "/v1/chat/completions"
+    cases = [
+        ({"messages": user("")}, 400, "empty message"),
+        ({"messages": user(" \n ")}, 400, "empty message"),
+        ({"messages": user(" word" * 9000)}, 400, "8192-token context"),
+        ("{not json", 400, "malformed JSON"),
+        ("[1, 2]", 400, "JSON object"),
+        ({"messages": "hi"}, 400, "non-empty list"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+        ({"model": "nope", "messages": user("hi")}, 404, "unknown model"),
+        ({"messages": user("hi"), "kv_preset": "k3v1"}, 400, "unknown KV preset"),
+        ({"messages": user("hi"), "max_tokens": -5}, 400, "max_tokens"),
+        ({"messages": user("hi"), "max_tokens": "lots"}, 400, "max_tokens"),
+    ]
+    for body, status, text in cases:
+        for path in (api, server + "/api/chat"):  # the page's endpoint validates the same way
+            r = post(path, body)
+            assert r.status_code == status, (body if isinstance(body, str) else str(body)[:80], r.text)
+            assert text in r.json()["error"]["message"]
+    # Far beyond any context: refused by size before tokenizing.
+    r = post(api, {"messages": user("x" * 5_000_000)})
+    assert r.status_code == 413
+    r = post(server + "/api/save", {"name": "../escape"})
+    assert r.status_code == 400 and "chat name" in r.json()["error"]["message"]
+    assert ok_request(server)["choices"][0]["message"]["content"]
+
+
+def stream_lines(server, text, max_tokens, lines, started=None):
+    """Stream a completion, appending raw SSE lines to `lines`."""
+    import httpx
+
+    body = {"messages": user(text), "max_tokens": max_tokens, "stream": True}
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line:
+                continue
+            lines.append(line)
+            if started is not None and '"role": "assistant"' in line:
+                started.set()
+
+
+def test_two_clients_are_served_in_order(server):
+    first, second, started = [], [], threading.Event()
+    t1 = threading.Thread(target=stream_lines, args=(server, "Tell me about cats.", 12, first, started))
+    t1.start()
+    assert started.wait(60)
+    t2 = threading.Thread(target=stream_lines, args=(server, "Tell me about dogs.", 4, second))
+    t2.start()
+    t1.join(120)
+    t2.join(120)
+    assert not t1.is_alive() and not t2.is_alive()
+    for lines in (first, second):
+        assert lines[-1] == "data: [DONE]" and sum('"content": "' in x for x in lines) > 1
+    # The second client was told it waits, before its first token.
+    queued = [i for i, x in enumerate(second) if x.startswith(": queued: 1 request")]
+    tokens = [i for i, x in enumerate(second) if '"delta": {"content"' in x]
+    assert queued and queued[0] < tokens[0]
+
+
+def health_after_cancel(server, kind):
+    """The abandoned reply's length, once the engine reports it (it stops within a few tokens)."""
+    import httpx
+
+    for _ in range(100):
+        h = httpx.get(server + "/api/health", timeout=5).json()
+        if h["queued"] == 0 and h["last_reply"] and h["last_reply"]["finish_reason"] == "cancelled":
+            return h["last_reply"]["completion_tokens"]
+        time.sleep(0.2)
+    pytest.fail(f"{kind}: the abandoned reply was not cancelled: {h}")
+
+
+def test_client_disconnect_frees_the_engine(server):
+    import httpx
+
+    cancelled = []
+
+    # Streaming: read two tokens of a long reply, then hang up.
+    body = {"messages": user("Write a very long story about the sea."), "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=120) as r:
+        n = 0
+        for line in r.iter_lines():
+            n += '"delta": {"content"' in line
+            if n == 2:
+                break
+    cancelled.append(health_after_cancel(server, "stream"))
+    assert cancelled[-1] <= 2 + 4  # the two read, plus the few in flight while the hang-up is noticed
+    t = time.monotonic()
+    ok_request(server)
+    assert time.monotonic() - t < 30  # not the ~2000 tokens of the abandoned reply
+    # Non-streaming: the client times out and leaves while the reply is being generated.
+    with pytest.raises(httpx.TimeoutException):
+        post(server + "/v1/chat/completions", {"messages": user("Write a long poem."), "max_tokens": 2000},
+             timeout=3)
+    cancelled.append(health_after_cancel(server, "non-stream"))
+    assert cancelled[-1] < 40  # 3 s of prefill and decoding, then it notices within POLL seconds
+    t = time.monotonic()
+    ok_request(server)
+    assert time.monotonic() - t < 30
+    print("tokens generated after/at cancel:", cancelled)
+    assert httpx.get(server + "/api/health", timeout=5).json()["queued"] == 0
+
+
+def test_page_save_and_resume_api(server):
+    import httpx
+
+    assert post(server + "/api/new", {"preset": "fp16"}).status_code == 200
+    r = post(server + "/api/chat", {"messages": user("Name a planet."), "max_tokens": 4})
+    assert r.status_code == 200 and "event: done" in r.text
+    r = post(server + "/api/save", {"name": "planets"})
+    assert r.status_code == 200, r.text
+    assert "planets" in httpx.get(server + "/api/chats", timeout=5).json()["chats"]
+    assert post(server + "/api/new", {"preset": "k4v2_g128"}).json()["context_tokens"] == 0
+    r = post(server + "/api/load", {"name": "planets"})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["messages"][0]["content"] == "Name a planet." and out["stats"]["preset"] == "fp16"
+    assert out["stats"]["context_tokens"] > 0
+    assert post(server + "/api/load", {"name": "nothing-here"}).status_code == 404
+    assert post(server + "/api/new", {"preset": "k9"}).status_code == 400
+
+
+# -- the page in headless Chromium ------------------------------------------
+
+
+def test_page_end_to_end(server):
+    if CHROMIUM is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no `playwright install`)")
+    ARTIFACTS.mkdir(exist_ok=True)
+    # OpenBLAS preloaded into node and chromium makes them crash (pthread_create: Invalid argument):
+    # start the driver and the browser without it (this process keeps the library it already loaded).
+    preload = os.environ.pop("LD_PRELOAD", None)
+    try:
+        with sync_api.sync_playwright() as p:
+            _drive_page(p, server)
+    finally:
+        if preload is not None:
+            os.environ["LD_PRELOAD"] = preload
+
+
+def _drive_page(p, server):
+    """Two messages through the page; checks streaming and the memory panel; saves a screenshot."""
+    browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000,
+                                env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+    try:
+        page = browser.new_page(viewport={"width": 1280, "height": 860})
+        page.set_default_timeout(150_000)
+        page.goto(server + "/")
+        page.wait_for_selector("body[data-ready='1']")
+        page.select_option("#preset", "k4v2_g128")
+        page.click("#new")
+        page.wait_for_function("document.getElementById('ctx').textContent.startsWith('0 /')")
+
+        def say(text, n):
+            page.fill("#input", text)
+            page.click("#send")
+            reply = f".msg.assistant[data-idx='{2 * n - 1}']"
+            # Part of the reply is on screen while it is still streaming...
+            page.wait_for_function(
+                "() => { const e = document.querySelector('.msg.assistant.streaming .body');"
+                " return e && e.textContent.trim().length > 0 }")
+            page.wait_for_selector(reply + "[data-done='1']")
+            el = page.query_selector(reply)
+            assert int(el.get_attribute("data-chunks")) > 1  # ...and it came in several pieces
+            assert el.inner_text().strip()
+            return float(page.inner_text("#ratio").rstrip("×"))
+
+        # A long first message (~900 tokens): whole tiles get quantized, so the ratio is real.
+        ratio1 = say("Here is a license text:\n\n" + long_text(700) + "\n\nWhat is this document about?", 1)
+        ratio2 = say("Thanks. Who is the *Licensor*?", 2)
+        assert ratio1 > 1 and ratio2 > 1, (ratio1, ratio2)
+        assert "per layer" in page.inner_text("#tiles") and not page.inner_text("#tiles").startswith("0 ")
+        assert len(page.query_selector_all("#chart polyline")) == 2
+        page.screenshot(path=str(ARTIFACTS / "chat.png"))
+    finally:
+        browser.close()
