@@ -475,3 +475,73 @@ def test_forced_metal_without_device_uses_ops(caplog):
     want = quant.quantize_values(x, 2)
     assert all(np.array_equal(np.array(g), np.array(w)) for g, w in zip(got, want))
     assert sum("not available" in r.getMessage() for r in caplog.records) == 1
+
+
+# End to end: greedy decoding of a tiny random-weight model ------------------------------------
+
+def _greedy(model, caches, prompt, n):
+    logits = model(mx.array(prompt)[None], cache=caches)
+    out, gaps = [], []
+    for _ in range(n):
+        last = logits[0, -1].astype(mx.float32)
+        top2 = np.sort(np.array(last))[-2:]
+        gaps.append(float(top2[1] - top2[0]))
+        tok = int(mx.argmax(last))
+        out.append(tok)
+        logits = model(mx.array([[tok]]), cache=caches)
+    return out, gaps
+
+
+def test_greedy_generation_same_tokens_with_kernels(monkeypatch):
+    """32 greedy tokens with the cache's tile quantization and its decode attention routed
+    through the kernels (a test-side wiring; the cache's own dispatch is the lead's) equal
+    the ops path's. Prefill (L > 8) stays on the ops path; decode crosses a tile boundary."""
+    import types
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import models
+
+    from kvarn_mlx import attention
+    from kvarn_mlx import cache as cache_mod
+    from kvarn_mlx.config import KVarNConfig
+
+    cfg = KVarNConfig(k_bits=4, v_bits=2, group_size=64, sink=32)
+    prompt = models.tokens(150, seed=3)  # sink 32 + 1 tile + 54 in the tail: decode fills the 2nd tile
+    model = models.tiny_model("llama64")
+    want, gaps = _greedy(model, cache_mod.make_cache(model, cfg), prompt, 32)
+
+    orig = attention.packed_attention
+    calls = {"kernel": 0}
+
+    def kernel_attention(queries, cache, scale, mask=None, sinks=None):
+        L = queries.shape[2]
+        if sinks is not None or L > 8 or cache._n_seen == 0 or not (mask is None or mask == "causal") \
+                or cache._key_candidates is not None:
+            return orig(queries, cache, scale, mask, sinks)
+        sk, sv, tiles, rk, rv = cache.attention_view()
+        cache._recent = None
+        calls["kernel"] += 1
+        c = cache.config
+        return kernels.packed_attention_metal(queries, sk, sv, *tiles, tiles[3].shape[2], rk, rv, scale,
+                                              c.k_bits, c.v_bits, mask == "causal",
+                                              rotate_keys=bool(cache.rotate_k), rotate_values=bool(cache.rotate_v))
+
+    shim = types.SimpleNamespace(**{k: getattr(quant, k) for k in dir(quant) if not k.startswith("__")})
+
+    def counted(fn):
+        def f(*a, **k):
+            calls["quantize"] = calls.get("quantize", 0) + 1
+            return fn(*a, **k)
+        return f
+
+    shim.quantize_keys = counted(kernels.quantize_keys_metal)
+    shim.quantize_values = counted(kernels.quantize_values_metal)
+    monkeypatch.setattr(cache_mod, "quant", shim)
+    monkeypatch.setattr(attention, "packed_attention", kernel_attention)
+    with metal():
+        got, _ = _greedy(model, cache_mod.make_cache(model, cfg), prompt, 32)
+    print(f"\ngreedy: {calls['kernel']} kernel attention calls, {calls.get('quantize', 0)} kernel quantizations, "
+          f"smallest top-2 logit gap {min(gaps):.2e}")
+    assert calls["kernel"] >= 32
+    assert calls.get("quantize", 0) >= 8  # K and V, 2 layers, prefill tile and the tile filled while decoding
+    assert got == want
