@@ -413,3 +413,11 @@ def _drive_page(p, server):
         page.screenshot(path=str(ARTIFACTS / "chat.png"))
     finally:
         browser.close()
+
+
+def test_only_loopback_is_quiet():
+    from apps.chat.__main__ import is_loopback, parse_args
+
+    assert parse_args([]).host == "127.0.0.1"
+    assert all(map(is_loopback, ("127.0.0.1", "::1", "localhost", "127.0.0.2")))
+    assert not any(map(is_loopback, ("0.0.0.0", "::", "192.168.1.5", "example.com")))
