@@ -4,7 +4,7 @@
 
 Decode attention (one query token) at 1K, 8K and 32K context:
   kernel  = kernels.packed_attention_metal (split-K over packed tiles + merge pass)
-  ops     = kernels.packed_attention_ops (dequantize the tiles with MLX ops, then attend)
+  ops     = attention.attend (the MLX ops path: mx.quantized_matmul over the packed tiles)
   fp16    = mx.fast.scaled_dot_product_attention over a float16 cache (what mlx-lm runs)
 and tile quantization of one layer's prefill (kernel vs quant.quantize_keys/values).
 Needs a Metal device: elsewhere it says so and exits 0.
@@ -39,6 +39,7 @@ def main(argv=None):
     import mlx.core as mx
 
     from kvarn_mlx import kernels, quant
+    from kvarn_mlx.attention import attend
     from kvarn_mlx.config import get_preset
 
     if not (hasattr(mx, "metal") and mx.metal.is_available()):
@@ -67,7 +68,8 @@ def main(argv=None):
         mx.eval(kq, vq, sink_k, sink_v, tail_k, tail_v, q, K, V)
         args = (q, sink_k, sink_v, *kq, *vq, n, tail_k, tail_v, scale, kb, vb, True)
         t_k = _timeit(lambda: kernels.packed_attention_metal(*args), iters=a.iters)
-        t_o = _timeit(lambda: kernels.packed_attention_ops(*args), iters=a.iters)
+        tiles = (*kq, *vq)
+        t_o = _timeit(lambda: attend(q, sink_k, sink_v, tiles, tail_k, tail_v, scale, kb, vb), iters=a.iters)
         t_f = _timeit(lambda: mx.fast.scaled_dot_product_attention(q, K, V, scale=scale), iters=a.iters)
         print(f"{ctx:>8} {1e3 * t_k:>10.3f} {1e3 * t_o:>10.3f} {1e3 * t_f:>10.3f} {t_o / t_k:>11.2f} {t_k / t_f:>12.2f}")
 

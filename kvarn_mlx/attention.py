@@ -12,35 +12,55 @@ import sys
 import mlx.core as mx
 from mlx_lm.models import base
 
-from . import quant
-from .cache import KVarNCache, rotated_where
+from . import kernels, quant
+from .cache import KVarNCache
 
 
 def packed_attention(queries, cache: KVarNCache, scale, mask=None, sinks=None):
     """queries [B, Hq, L, D] (after RoPE) over everything in `cache`."""
-    B, Hq, L, D = queries.shape
     sk, sv, tiles, rk, rv = cache.attention_view()
     # This step's full-precision tokens are needed by this call only: keeping them
     # until the next update would hold a float copy of the tiles just quantized.
     cache._recent = None
-    H = sk.shape[1]
+    if cache._key_candidates is not None:  # "auto": decide key rotation with real queries
+        B, Hq, L, D = queries.shape
+        cache.decide_key_rotation((queries.astype(mx.float32) * scale).reshape(B, sk.shape[1], -1, D))
+    c = cache.config
+    if tiles is not None and sinks is None and (mask is None or mask == "causal") and kernels.use_metal():
+        return kernels.packed_attention_metal(queries, sk, sv, *tiles, tiles[0].shape[2], rk, rv, scale,
+                                              c.k_bits, c.v_bits, mask == "causal", cache.rotate_k, cache.rotate_v)
+    return attend(queries, sk, sv, tiles, rk, rv, scale, c.k_bits, c.v_bits, cache.rotate_k, cache.rotate_v,
+                  mask, sinks)
+
+
+def attend(queries, sink_k, sink_v, tiles, recent_k, recent_v, scale, k_bits, v_bits,
+           rotate_k=True, rotate_v=True, mask=None, sinks=None):
+    """The MLX ops path: queries [B, Hq, L, D] over sink [B, H, S, D] + packed tiles
+    (cache.py's _TILE_ARRAYS, or None) + recent [B, H, R, D]; one softmax.
+    rotate_k may be a per-kv-head bool array."""
+    B, Hq, L, D = queries.shape
+    sk, sv, rk, rv = sink_k, sink_v, recent_k, recent_v
+    H = next(x for x in (sk, rk, None if tiles is None else tiles[0]) if x is not None).shape[1]
     n_rep = Hq // H
     f32 = mx.float32
     # Query heads sharing a kv head become rows of one matrix: [B, H, n_rep*L, D].
     q = (queries.astype(f32) * scale).reshape(B, H, n_rep * L, D)
-    if cache._key_candidates is not None:  # "auto": decide key rotation with real queries
-        cache.decide_key_rotation(q)
 
-    scores = [q @ mx.swapaxes(sk, -1, -2).astype(f32)]
+    scores, S, R = [], 0, 0
+    if sk is not None:
+        scores.append(q @ mx.swapaxes(sk, -1, -2).astype(f32))
+        S = sk.shape[2]
     if tiles is not None:
         kw, ka, kb, kt, vw, va, vb, vc = tiles
         N, G = kt.shape[2], kt.shape[3]
-        q_rot = rotated_where(cache.rotate_k, q, quant.rotate)
+        q_rot = quant.rotated_where(rotate_k, q, quant.rotate)
         s = mx.quantized_matmul(q_rot[:, :, None], kw, ka[..., None].astype(f32), kb[..., None].astype(f32),
-                                transpose=False, group_size=G, bits=cache.config.k_bits)
+                                transpose=False, group_size=G, bits=k_bits)
         s = s * kt[:, :, :, None, :].astype(f32)  # [B, H, N, n_rep*L, G]
         scores.append(mx.swapaxes(s, 2, 3).reshape(B, H, n_rep * L, N * G))
-    scores.append(q @ mx.swapaxes(rk, -1, -2).astype(f32))
+    if rk is not None:
+        scores.append(q @ mx.swapaxes(rk, -1, -2).astype(f32))
+        R = rk.shape[2]
     s = mx.concatenate(scores, axis=-1).reshape(B, H, n_rep, L, -1)
     T = s.shape[-1]
 
@@ -52,12 +72,15 @@ def packed_attention(queries, cache: KVarNCache, scale, mask=None, sinks=None):
         p = mx.softmax(s, axis=-1, precise=True)
     p = p.reshape(B, H, n_rep * L, T)
 
-    S, R = sk.shape[2], rk.shape[2]
-    o = p[..., :S] @ sv.astype(f32) + p[..., T - R :] @ rv.astype(f32)
+    o = mx.zeros((B, H, n_rep * L, D), f32)
+    if S:
+        o = o + p[..., :S] @ sv.astype(f32)
+    if R:
+        o = o + p[..., T - R :] @ rv.astype(f32)
     if tiles is not None:
         p_tiles = mx.swapaxes(p[..., S : S + N * G].reshape(B, H, n_rep * L, N, G), 2, 3)
-        o_rot = (_tile_values(p_tiles, vw, va, vb, cache.config.v_bits, D) * vc[:, :, :, None, :].astype(f32)).sum(axis=2)
-        o = o + (quant.unrotate(o_rot) if cache.rotate_v else o_rot)
+        o_rot = (_tile_values(p_tiles, vw, va, vb, v_bits, D) * vc[:, :, :, None, :].astype(f32)).sum(axis=2)
+        o = o + (quant.unrotate(o_rot) if rotate_v else o_rot)
     return o.reshape(B, Hq, L, D).astype(queries.dtype)
 
 

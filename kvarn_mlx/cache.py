@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from . import quant
+from . import kernels, quant
 from .config import DEFAULT_PRESET, FP16, KVarNConfig, get_preset
 
 log = logging.getLogger("kvarn_mlx")
@@ -142,7 +142,7 @@ class KVarNCache(_BaseCache):
             k = self._quantize_key_candidates(k_tiles)
         else:
             k = self._quantize_keys(k_tiles)
-        v = quant.quantize_values(v_tiles, c.v_bits, c.iters, self.rotate_v, c.scale_dtype)
+        v = kernels.quantize_values(v_tiles, c.v_bits, c.iters, self.rotate_v, c.scale_dtype)
         m = k_tiles.shape[2]
         need = self.n_tiles + m
         capacity = 0 if self.k_words is None else self.k_words.shape[2]
@@ -164,16 +164,16 @@ class KVarNCache(_BaseCache):
         if isinstance(self.rotate_k, mx.array):  # per-head choice: rotate only those heads
             k_tiles = quant.sanitize(k_tiles)
             k_tiles = mx.where(self.rotate_k[:, None, None, None], quant.rotate(k_tiles), k_tiles)
-            return quant.quantize_keys(k_tiles, c.k_bits, c.iters, False, c.scale_dtype)
-        return quant.quantize_keys(k_tiles, c.k_bits, c.iters, self.rotate_k, c.scale_dtype)
+            return kernels.quantize_keys(k_tiles, c.k_bits, c.iters, False, c.scale_dtype)
+        return kernels.quantize_keys(k_tiles, c.k_bits, c.iters, self.rotate_k, c.scale_dtype)
 
     # -- "auto" key rotation (beyond the paper) ----------------------------------
 
     def _quantize_key_candidates(self, k_tiles):
         """Quantize the first key tiles both ways; keep both until decide_key_rotation."""
         c = self.config
-        rot = quant.quantize_keys(k_tiles, c.k_bits, c.iters, True, c.scale_dtype)
-        plain = quant.quantize_keys(k_tiles, c.k_bits, c.iters, False, c.scale_dtype)
+        rot = kernels.quantize_keys(k_tiles, c.k_bits, c.iters, True, c.scale_dtype)
+        plain = kernels.quantize_keys(k_tiles, c.k_bits, c.iters, False, c.scale_dtype)
         self._key_candidates = (k_tiles, rot, plain, self.n_tiles)
         return rot
 
@@ -249,7 +249,7 @@ class KVarNCache(_BaseCache):
         kw, ka, kb, kt, vw, va, vb, vc = tiles
         k = quant.dequantize_keys(kw, ka, kb, kt, c.k_bits)
         v = quant.dequantize_values(vw, va, vb, vc, c.v_bits)
-        k = rotated_where(self.rotate_k, k, quant.unrotate)
+        k = quant.rotated_where(self.rotate_k, k, quant.unrotate)
         v = quant.unrotate(v) if self.rotate_v else v
         B, H, n, G, D = k.shape
         return k.reshape(B, H, n * G, D), v.reshape(B, H, n * G, D)
@@ -393,13 +393,6 @@ def _flag(x):
     if isinstance(x, mx.array) and x.ndim:
         return x.astype(mx.bool_)
     return bool(_scalar(x))
-
-
-def rotated_where(flag, x, fn):
-    """fn(x) where flag says so: flag is a bool, or a per-kv-head bool array for x [B, H, ...]."""
-    if isinstance(flag, mx.array):
-        return mx.where(flag.reshape(1, -1, *([1] * (x.ndim - 2))), fn(x), x)
-    return fn(x) if flag else x
 
 
 # Keep key rotation unless unrotated keys' attention error is below this fraction

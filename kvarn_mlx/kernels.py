@@ -269,15 +269,19 @@ def packed_attention_metal(q, sink_k, sink_v, k_words, k_a, k_b, k_t, v_words, v
     cache: sink [B, Hkv, S, D] + the first n_tiles packed tiles (tile-major
     storage, capacity >= n_tiles) + tail [B, Hkv, T, D]; one softmax, causal
     for L > 1. Returns [B, Hq, L, D] in q's dtype. sink/tail may be None or empty.
-    Unsupported shapes/dtypes fall back to packed_attention_ops."""
-    args = (q, sink_k, sink_v, k_words, k_a, k_b, k_t, v_words, v_a, v_b, v_c, n_tiles,
-            tail_k, tail_v, scale, k_bits, v_bits, causal, rotate_keys, rotate_values)
+    rotate_keys may be a per-kv-head bool array. Unsupported shapes/dtypes fall
+    back to the MLX ops path (attention.attend)."""
     n_tiles = int(n_tiles)
     reason = _att_unsupported(q, sink_k, tail_k, k_words, k_a, k_t, k_bits, v_bits,
                               (k_a, k_b, k_t, v_a, v_b, v_c))
     if reason:
         _fallback("attention", reason)
-        return packed_attention_ops(*args)
+        from .attention import attend
+
+        n = int(n_tiles)
+        tiles = None if n == 0 else tuple(x[:, :, :n] for x in (k_words, k_a, k_b, k_t, v_words, v_a, v_b, v_c))
+        return attend(q, sink_k, sink_v, tiles, tail_k, tail_v, scale, k_bits, v_bits, rotate_keys, rotate_values,
+                      "causal" if causal and q.shape[2] > 1 else None)
 
     B, Hq, L, D = q.shape
     Hkv, ncap, G = k_words.shape[1], k_words.shape[2], k_t.shape[-1]
@@ -297,7 +301,7 @@ def packed_attention_metal(q, sink_k, sink_v, k_words, k_a, k_b, k_t, v_words, v
         return x if ncap else mx.zeros((1,), x.dtype)
 
     qf = q.astype(mx.float32).reshape(BH * R, D)  # rows (b, kv head, rep, i): GQA heads are consecutive
-    qr = mx.hadamard_transform(qf) if rotate_keys else qf
+    qr = quant.rotated_where(rotate_keys, qf.reshape(B, Hkv, R, D), quant.rotate).reshape(BH * R, D)
     rc = _rows_per_group(R, D, G)
     n_rc = -(-R // rc)
     n_split = 0
@@ -339,70 +343,3 @@ def packed_attention_metal(q, sink_k, sink_v, k_words, k_a, k_b, k_t, v_words, v
     )
     out = o_dense + (mx.hadamard_transform(o_rot) if rotate_values else o_rot)
     return out.reshape(B, Hq, L, D).astype(q.dtype)
-
-
-_H = {}
-
-
-def _hadamard_matrix(D):
-    if D not in _H:
-        from . import reference
-
-        _H[D] = mx.array(reference.hadamard(D).astype("float32"))
-    return _H[D]
-
-
-def packed_attention_ops(q, sink_k, sink_v, k_words, k_a, k_b, k_t, v_words, v_a, v_b, v_c, n_tiles,
-                         tail_k, tail_v, scale, k_bits, v_bits, causal=True,
-                         rotate_keys=True, rotate_values=True):
-    """The same attention with MLX ops (dequantizes the tiles): the fallback, any shape."""
-    B, Hq, L, D = q.shape
-    Hkv = k_words.shape[1]
-    n_rep = Hq // Hkv
-    n = int(n_tiles)
-    f32 = mx.float32
-    qf = q.astype(f32).reshape(B, Hkv, n_rep * L, D)
-    H = _hadamard_matrix(D) if (rotate_keys or rotate_values) and quant.can_rotate(D) else None
-    qr = qf @ H if rotate_keys and H is not None else qf
-    scores, values = [], []
-    if sink_k is not None and sink_k.shape[2]:
-        scores.append(qf @ sink_k.astype(f32).swapaxes(-1, -2))
-        values.append(("dense", sink_v.astype(f32)))
-    if n:
-        K = quant.dequantize_keys(k_words[:, :, :n], k_a[:, :, :n], k_b[:, :, :n], k_t[:, :, :n], k_bits)
-        V = quant.dequantize_values(v_words[:, :, :n], v_a[:, :, :n], v_b[:, :, :n], v_c[:, :, :n], v_bits)
-        G = K.shape[-2]
-        scores.append(qr @ K.reshape(B, Hkv, n * G, D).swapaxes(-1, -2))
-        values.append(("rot", V.reshape(B, Hkv, n * G, D)))
-    if tail_k is not None and tail_k.shape[2]:
-        scores.append(qf @ tail_k.astype(f32).swapaxes(-1, -2))
-        values.append(("dense", tail_v.astype(f32)))
-    if not scores:
-        return mx.zeros(q.shape, q.dtype)
-    s = mx.concatenate(scores, axis=-1) * scale
-    T = s.shape[-1]
-    if causal and L > 1:
-        i = mx.arange(n_rep * L) % L
-        visible = mx.arange(T)[None, :] <= (T - L + i)[:, None]
-        s = mx.where(visible, s, -mx.inf)
-    p = mx.softmax(s, axis=-1, precise=True)
-    o_dense = mx.zeros(qf.shape, f32)
-    o_rot = mx.zeros(qf.shape, f32)
-    start = 0
-    for kind, v in values:
-        part = p[..., start:start + v.shape[2]] @ v
-        start += v.shape[2]
-        if kind == "dense":
-            o_dense = o_dense + part
-        else:
-            o_rot = o_rot + part
-    if rotate_values and H is not None:
-        o_rot = o_rot @ H.T
-    return (o_dense + o_rot).reshape(B, Hq, L, D).astype(q.dtype)
-
-
-def packed_attention(*args, **kwargs):
-    """Dispatch: packed_attention_metal when use_metal(), else packed_attention_ops."""
-    if use_metal():
-        return packed_attention_metal(*args, **kwargs)
-    return packed_attention_ops(*args, **kwargs)

@@ -56,6 +56,13 @@ def unrotate(x):
 _HT = {}
 
 
+def rotated_where(flag, x, fn):
+    """fn(x) where flag says so: flag is a bool, or a per-kv-head bool array for x [B, H, ...]."""
+    if isinstance(flag, mx.array):
+        return mx.where(flag.reshape(1, -1, *([1] * (x.ndim - 2))), fn(x), x)
+    return fn(x) if flag else x
+
+
 def _check_tiles(x, bits, name):
     """Tiles must be [..., G, D] with G >= 2 tokens (std uses ddof=1)."""
     if x.ndim < 2 or x.shape[-2] < 2:

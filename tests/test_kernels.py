@@ -30,6 +30,7 @@ import pytest
 
 from kvarn_mlx import kernels, quant
 from kvarn_mlx import reference as ref
+from kvarn_mlx.attention import attend
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MSLEMU = ROOT.parent / "shared" / "mslemu"
@@ -312,6 +313,14 @@ ATT_CASES = [
 ]
 
 
+def ops_attention(q, sink_k, sink_v, *rest, rotate_keys=True, rotate_values=True):
+    """The MLX ops path (attention.attend) on packed_attention_metal's arguments."""
+    *packed, n, tail_k, tail_v, scale, kb, vb, causal = rest
+    tiles = tuple(x[:, :, :n] for x in packed) if n else None
+    mask = "causal" if causal and q.shape[2] > 1 else None
+    return attend(q, sink_k, sink_v, tiles, tail_k, tail_v, scale, kb, vb, rotate_keys, rotate_values, mask)
+
+
 @pytest.mark.parametrize("D,G,kb,vb,n_rep,L,S,ctx,B,dtype", ATT_CASES)
 def test_attention_matches_reference(D, G, kb, vb, n_rep, L, S, ctx, B, dtype):
     rng = np.random.default_rng([D, G, kb, vb, n_rep, L, S, ctx])
@@ -324,7 +333,7 @@ def test_attention_matches_reference(D, G, kb, vb, n_rep, L, S, ctx, B, dtype):
     with metal():
         got = kernels.packed_attention_metal(*args)
         mx.eval(got)
-    ops = kernels.packed_attention_ops(*args)
+    ops = ops_attention(*args)
     assert got.shape == q.shape and got.dtype == q.dtype
     tol = (ATT_TOL if dtype == mx.float32 else ATT_TOL_HALF) * np.abs(want).max()
     for name, o in (("kernel", got), ("ops", ops)):
@@ -345,7 +354,7 @@ def test_attention_not_causal_and_unrotated_values():
         got2 = kernels.packed_attention_metal(*args, rotate_keys=False, rotate_values=False)
         mx.eval(got, got2)
     assert np.abs(np.array(got) - want).max() <= ATT_TOL * np.abs(want).max()
-    ops2 = kernels.packed_attention_ops(*args, rotate_keys=False, rotate_values=False)
+    ops2 = ops_attention(*args, rotate_keys=False, rotate_values=False)
     assert np.abs(np.array(got2) - np.array(ops2)).max() <= ATT_TOL * np.abs(np.array(ops2)).max()
 
 
@@ -492,56 +501,49 @@ def _greedy(model, caches, prompt, n):
     return out, gaps
 
 
-def test_greedy_generation_same_tokens_with_kernels(monkeypatch):
-    """32 greedy tokens with the cache's tile quantization and its decode attention routed
-    through the kernels (a test-side wiring; the cache's own dispatch is the lead's) equal
-    the ops path's. Prefill (L > 8) stays on the ops path; decode crosses a tile boundary."""
-    import types
-
+@pytest.mark.parametrize("rotate_keys", [True, "auto"])
+def test_greedy_generation_same_tokens_with_kernels(monkeypatch, rotate_keys):
+    """32 greedy tokens through kvarn_mlx's own dispatch with the kernels on (tile
+    quantization and decode attention) equal the ops path's. Prefill (L > 8) stays
+    on the ops path; decode crosses a tile boundary. "auto" key rotation gives some
+    layers a per-head mix of rotated and plain keys."""
     sys.path.insert(0, str(ROOT / "tests"))
     import models
 
-    from kvarn_mlx import attention
-    from kvarn_mlx import cache as cache_mod
+    from kvarn_mlx.cache import make_cache
     from kvarn_mlx.config import KVarNConfig
 
-    cfg = KVarNConfig(k_bits=4, v_bits=2, group_size=64, sink=32)
+    cfg = KVarNConfig(k_bits=4, v_bits=2, group_size=64, sink=32, rotate_keys=rotate_keys)
     prompt = models.tokens(150, seed=3)  # sink 32 + 1 tile + 54 in the tail: decode fills the 2nd tile
     model = models.tiny_model("llama64")
-    want, gaps = _greedy(model, cache_mod.make_cache(model, cfg), prompt, 32)
+    if rotate_keys == "auto":  # big per-channel key gains on kv head 0 only: it drops rotation, head 1 keeps it
+        for layer in model.layers:
+            gain = mx.ones((128, 1)).at[mx.array([3, 17, 40])].multiply(30.0)
+            layer.self_attn.k_proj.weight = layer.self_attn.k_proj.weight * gain
+    kernels.set_backend("ops")
+    want, gaps = _greedy(model, make_cache(model, cfg), prompt, 32)
 
-    orig = attention.packed_attention
-    calls = {"kernel": 0}
+    calls = {}
 
-    def kernel_attention(queries, cache, scale, mask=None, sinks=None):
-        L = queries.shape[2]
-        if sinks is not None or L > 8 or cache._n_seen == 0 or not (mask is None or mask == "causal") \
-                or cache._key_candidates is not None:
-            return orig(queries, cache, scale, mask, sinks)
-        sk, sv, tiles, rk, rv = cache.attention_view()
-        cache._recent = None
-        calls["kernel"] += 1
-        c = cache.config
-        return kernels.packed_attention_metal(queries, sk, sv, *tiles, tiles[3].shape[2], rk, rv, scale,
-                                              c.k_bits, c.v_bits, mask == "causal",
-                                              rotate_keys=bool(cache.rotate_k), rotate_values=bool(cache.rotate_v))
+    def counted(name):
+        fn = getattr(kernels, name)
 
-    shim = types.SimpleNamespace(**{k: getattr(quant, k) for k in dir(quant) if not k.startswith("__")})
-
-    def counted(fn):
         def f(*a, **k):
-            calls["quantize"] = calls.get("quantize", 0) + 1
+            calls[name] = calls.get(name, 0) + 1
             return fn(*a, **k)
-        return f
+        monkeypatch.setattr(kernels, name, f)
 
-    shim.quantize_keys = counted(kernels.quantize_keys_metal)
-    shim.quantize_values = counted(kernels.quantize_values_metal)
-    monkeypatch.setattr(cache_mod, "quant", shim)
-    monkeypatch.setattr(attention, "packed_attention", kernel_attention)
+    counted("packed_attention_metal")
+    counted("_quantize_metal")
+    kernels.set_backend("auto")
     with metal():
-        got, _ = _greedy(model, cache_mod.make_cache(model, cfg), prompt, 32)
-    print(f"\ngreedy: {calls['kernel']} kernel attention calls, {calls.get('quantize', 0)} kernel quantizations, "
-          f"smallest top-2 logit gap {min(gaps):.2e}")
-    assert calls["kernel"] >= 32
-    assert calls.get("quantize", 0) >= 8  # K and V, 2 layers, prefill tile and the tile filled while decoding
+        caches = make_cache(model, cfg)
+        got, _ = _greedy(model, caches, prompt, 32)
+    if rotate_keys == "auto":
+        decided = [c.key_rotation_summary() for c in caches]
+        print("auto key rotation (rotated, heads) per layer:", decided)
+        assert any(0 < r < n for r, n in decided), decided  # a per-head mix reaches the kernels
+    print(f"\ngreedy: {calls} kernel calls, smallest top-2 logit gap {min(gaps):.2e}")
+    assert calls["packed_attention_metal"] >= 32
+    assert calls["_quantize_metal"] >= 8  # K and V, 2 layers, prefill tile and the tile filled while decoding
     assert got == want
