@@ -105,6 +105,34 @@ def tile_overhead(n_layers, H, D, G, cfg, reps=5):
     return full, no_norm
 
 
+def render(data):
+    md = ["# Decode speed and memory vs context\n", _meta_md(data["meta"]),
+          f"\nTokens/s from the median seconds per decode step over {data['steps']} steps (after 2 warm-up steps), caches filled with "
+          "random K/V to the context. fp = mlx-lm KVCache holding the model's float32 K/V; mlxqB = mlx-lm "
+          "QuantizedKVCache (group 64, B bits, its own quantized attention, no sink/tail); KVarN presets use packed "
+          "attention. Methods decode round-robin, one step each in turn, so load from other processes hits all "
+          "alike (other jobs shared the 2 cores during this run: absolute tok/s are noisy, ratios less so). Cache bytes are "
+          "measured from the held arrays; 'vs fp16' compares with a 2-byte fp16 KVCache (half the float32 one). "
+          "Process peak memory is in the json. **CPU caveat**: MLX's CPU quantized matmul is about 1.8 GFLOP/s while float32 "
+          "matmul runs on OpenBLAS here, so quantized caches look slow on this machine; these ratios do not "
+          "predict Apple-silicon speed.\n",
+          "| context | method | tok/s | speed vs fp | cache MiB | smaller than fp (float32) | smaller than fp16 |",
+          "|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        md.append(f"| {r['context']} | {r['method']} | {r['tokens_per_s']:.2f} | {r['speed_vs_fp']:.2f}x | "
+                  f"{r['cache_bytes'] / 2**20:.1f} | {r['bytes_vs_fp']:.2f}x | {r['bytes_vs_fp'] / 2:.2f}x |")
+    md += ["\n## Tile-quantization overhead\n",
+           "Time to quantize one tile (rotation + normalization + RTN + packing, K and V) in all layers, spread over "
+           "the G decode steps that fill it, as a fraction of the measured decode step time. The paper reports 0.18% "
+           "for the 8 normalization iterations on GPU.\n",
+           "| method | context | one tile, all layers (s) | same, iters=0 (s) | fraction of decode | normalization alone |",
+           "|---|---|---|---|---|---|"]
+    for o in data["overhead"]:
+        md.append(f"| {o['method']} | {o['context']} | {o['tile_s_all_layers']:.4f} | {o['tile_s_all_layers_iters0']:.4f} | "
+                  f"{100 * o['fraction_of_decode']:.2f}% | {100 * o['normalization_fraction']:.2f}% |")
+    return "\n".join(md) + "\n"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
@@ -112,7 +140,14 @@ def main():
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--render", default=None, help="only rewrite the markdown from this json")
     args = p.parse_args()
+    if args.render:
+        data = json.loads(Path(args.render).read_text())
+        data.setdefault("steps", 8)
+        text = render(data) + "".join(f"\n![{f}]({f})\n" for f in data.get("plots", []))
+        Path(args.render).with_suffix(".md").write_text(text)
+        return print(text)
     from kvarn_mlx.loader import load
 
     model, _ = load(args.model)
@@ -159,28 +194,7 @@ def main():
     meta["command"] = "python benchmarks/decode_speed.py " + " ".join(sys.argv[1:])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    md = ["# Decode speed and memory vs context\n", _meta_md(meta),
-          f"\nTokens/s from the median seconds per decode step over {args.steps} steps (after 2 warm-up steps), caches filled with "
-          "random K/V to the context. fp = mlx-lm KVCache holding the model's float32 K/V; mlxqB = mlx-lm "
-          "QuantizedKVCache (group 64, B bits, its own quantized attention, no sink/tail); KVarN presets use packed "
-          "attention. Peak memory: mx.get_peak_memory() during the decode steps (whole process arrays: weights + "
-          "cache + temporaries). **CPU caveat**: MLX's CPU quantized matmul is about 1.8 GFLOP/s while float32 "
-          "matmul runs on OpenBLAS here, so quantized caches look slow on this machine; these ratios do not "
-          "predict Apple-silicon speed.\n",
-          "| context | method | tok/s | speed vs fp | cache MiB | bytes vs fp (float32) |",
-          "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        md.append(f"| {r['context']} | {r['method']} | {r['tokens_per_s']:.2f} | {r['speed_vs_fp']:.2f}x | "
-                  f"{r['cache_bytes'] / 2**20:.1f} | {r['bytes_vs_fp']:.2f}x |")
-    md += ["\n## Tile-quantization overhead\n",
-           "Time to quantize one tile (rotation + normalization + RTN + packing, K and V) in all layers, spread over "
-           "the G decode steps that fill it, as a fraction of the measured decode step time. The paper reports 0.18% "
-           "for the 8 normalization iterations on GPU.\n",
-           "| method | context | one tile, all layers (s) | same, iters=0 (s) | fraction of decode | normalization alone |",
-           "|---|---|---|---|---|---|"]
-    for o in overhead:
-        md.append(f"| {o['method']} | {o['context']} | {o['tile_s_all_layers']:.4f} | {o['tile_s_all_layers_iters0']:.4f} | "
-                  f"{100 * o['fraction_of_decode']:.2f}% | {100 * o['normalization_fraction']:.2f}% |")
+    md = render({"meta": meta, "rows": rows, "overhead": overhead, "steps": args.steps}).split("\n")
     plt = _plt()
     plots = []
     if plt is not None:
@@ -199,7 +213,7 @@ def main():
         md.append("\n![decode_speed.png](decode_speed.png)")
     text = "\n".join(md) + "\n"
     (out / "decode_speed.md").write_text(text)
-    (out / "decode_speed.json").write_text(json.dumps({"meta": meta, "rows": rows, "overhead": overhead, "plots": plots}, indent=1))
+    (out / "decode_speed.json").write_text(json.dumps({"meta": meta, "rows": rows, "overhead": overhead, "plots": plots, "steps": args.steps}, indent=1))
     print(text)
 
 
