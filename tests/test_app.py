@@ -330,8 +330,9 @@ def test_client_disconnect_frees_the_engine(server):
     with pytest.raises(httpx.TimeoutException):
         post(server + "/v1/chat/completions", {"messages": user("Write a long poem."), "max_tokens": 2000},
              timeout=3)
+    t = time.monotonic()
     cancelled.append(health_after_cancel(server, "non-stream"))
-    assert cancelled[-1] < 40  # 3 s of prefill and decoding, then it notices within POLL seconds
+    assert time.monotonic() - t < 3  # the server polls for the hang-up every POLL (0.5 s) seconds
     t = time.monotonic()
     ok_request(server)
     assert time.monotonic() - t < 30

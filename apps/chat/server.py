@@ -24,6 +24,7 @@ STATIC = Path(__file__).parent / "static"
 MAX_BODY = 4 << 20  # bytes; far beyond any context this app can hold
 CHARS_PER_TOKEN_MAX = 32  # a body longer than context * this cannot fit: refuse before tokenizing
 POLL = 0.5  # seconds between queue-position updates and disconnect checks
+_TIMEOUT = object()
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,63}")
 
 
@@ -107,6 +108,8 @@ def create_app(worker: Worker, save_dir: Path):
     async def events(job, request=None):
         """A job's events; `queued` events while it waits. Leaving (done, or the
         client went away: sse-starlette cancels us) cancels the job."""
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + POLL
         try:
             if worker.position(job):
                 yield {"type": "queued", "position": worker.position(job)}
@@ -114,10 +117,15 @@ def create_app(worker: Worker, save_dir: Path):
                 try:
                     ev = await asyncio.wait_for(job.events.get(), POLL)
                 except asyncio.TimeoutError:
+                    ev = _TIMEOUT
+                # Checked by the clock: while tokens flow the queue never times out.
+                if loop.time() >= next_check:
+                    next_check = loop.time() + POLL
                     if request is not None and await request.is_disconnected():
                         return
                     if not job.started:
                         yield {"type": "queued", "position": worker.position(job)}
+                if ev is _TIMEOUT:
                     continue
                 if ev is END:
                     return
