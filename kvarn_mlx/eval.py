@@ -707,7 +707,7 @@ def accumulation_markdown(res, meta):
            "and layers. Accumulated: the chunked run, where every layer's input already carries the error of earlier "
            "layers and tokens. Static: the full-precision run's K/V quantized once, attended by the full-precision "
            "queries with the same visibility (tiles before the query's block quantized, the block itself exact), so "
-           "acc/static > 1 is error carried forward through layers and tokens. Windows: first = positions [{first[0]}, {first[1]}), last = [{last[0]}, {last[1]}).\n",
+           f"acc/static > 1 is error carried forward through layers and tokens. Windows: first = positions [{first[0]}, {first[1]}), last = [{last[0]}, {last[1]}).\n",
            "| method | acc first | acc last | acc growth (last/first) | acc slope /1K tok | static first | static last | static slope /1K | acc/static (last) |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
