@@ -31,6 +31,7 @@ import pytest
 from kvarn_mlx import kernels, quant
 from kvarn_mlx import reference as ref
 from kvarn_mlx.attention import attend
+from refcheck import ITERS, MAX_MISMATCH, SCALE_RTOL, TIE, ref_candidates, rel_err
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MSLEMU = ROOT.parent / "shared" / "mslemu"
@@ -43,13 +44,8 @@ if not NATIVE and MSLEMU.is_dir():
 pytestmark = pytest.mark.skipif(not NATIVE and mslemu is None,
                                 reason="no Metal device and no MSL emulator at ../shared/mslemu")
 
-TIE = 1e-3
-MAX_MISMATCH = 0.005
-SCALE_RTOL = 1e-5
-IMB_RTOL = 1e-5
 ATT_TOL = 2e-5
 ATT_TOL_HALF = 4e-3
-ITERS = 8
 
 
 @contextlib.contextmanager
@@ -74,45 +70,7 @@ def _fresh_backend():
     kernels._backend = None
 
 
-# Quantization checker (the reference's iterates, as tests/test_quant.py) -----------
-
-def ref_iterates(M, iters=ITERS):
-    M = M.astype(np.float32)
-    R, C = M.shape
-    log_c = np.zeros((1, C), np.float32)
-    log_r = np.zeros((R, 1), np.float32)
-    out = [(ref.imbalance(M), np.ones((1, C), np.float32), np.ones((R, 1), np.float32))]
-    for _ in range(iters):
-        cur = M / np.exp(log_c) / np.exp(log_r)
-        log_c = np.clip(log_c + np.log(np.clip(ref.std(cur, 0), 1e-3, 1e3)), -0.3, 10)
-        cur = M / np.exp(log_c) / np.exp(log_r)
-        log_r = np.clip(log_r + np.log(np.clip(ref.std(cur, 1), 1e-3, 1e3)), -0.3, 10)
-        cur = M / np.exp(log_c) / np.exp(log_r)
-        out.append((ref.imbalance(cur), np.exp(log_c), np.exp(log_r)))
-    return out
-
-
-def ref_candidates(M, bits):
-    its = ref_iterates(M)
-    imbs = np.array([i[0] for i in its], np.float64)
-    best = imbs.min()
-    sel = int(np.flatnonzero(imbs == best)[-1])
-    order = [sel] + [j for j in range(len(its)) if j != sel and imbs[j] <= best * (1 + IMB_RTOL)]
-    out = []
-    for j in order:
-        _, sc, sr = its[j]
-        balanced = M / sc / sr
-        code, scale, lo = ref.rtn(balanced, bits)
-        a, b, col = ref.balance_exponents((sr * scale)[:, 0], (sr * lo)[:, 0], sc[0])
-        frac = (balanced - lo) / scale
-        out.append(dict(iterate=j, code=code, a=a, b=b, col=col, tie=np.abs(frac - np.floor(frac) - 0.5)))
-    return out
-
-
-def _rel(x, y):
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    return float(np.max(np.abs(x - y) / np.maximum(np.abs(y), 1e-30)))
-
+# Quantization checker --------------------------------------------------------------
 
 class Stats:
     def __init__(self):
@@ -135,12 +93,12 @@ def check_quant(x, outs, bits, kind, rotated=True):
     for idx in np.ndindex(*xs.shape[:-2]):
         t = xs[idx] @ H if rotated else xs[idx]
         M = t.T if kind == "k" else t
-        cands = ref_candidates(M, bits)
-        c = min(cands, key=lambda c: _rel(col[idx], c["col"]))
+        cands = list(ref_candidates(M, bits))
+        c = min(cands, key=lambda c: rel_err(col[idx], c["col"]))
         stats.switched += c["iterate"] != cands[0]["iterate"]
         qmax = 2**bits - 1
         for name, got, want in (("a", a[idx], c["a"]), ("b", b[idx], c["b"]), ("col", col[idx], c["col"])):
-            err = _rel(got, want)
+            err = rel_err(got, want)
             if name == "b":  # b = sr*lo may cancel to ~0: measure against the row's range qmax*a
                 err = float(np.max(np.abs(got - want) / np.maximum(np.abs(want), qmax * np.abs(c["a"]))))
             assert err <= SCALE_RTOL, f"tile {idx} {name}: rel err {err:.2e} (iterate {c['iterate']})"
@@ -255,7 +213,7 @@ def test_quantize_iters_zero_and_8bit():
                       (v, quant.quantize_values(x, 8, 0, True, "float32"))):
         assert np.abs(np.array(got[0]).view(np.uint8).astype(int) - np.array(want[0]).view(np.uint8)).max() <= 1
         for g, w in zip(got[1:], want[1:]):
-            assert _rel(g, w) < 1e-5
+            assert rel_err(g, w) < 1e-5
 
 
 # Attention -------------------------------------------------------------------------------
