@@ -179,26 +179,26 @@ def _quantize_metal(x, bits, iters, rotated, scale_dtype, keys):
     return tuple(o.reshape(*lead, *s[1:]) for o, s in zip((words, a, b, col), shapes))
 
 
+def _quantize_or_fall_back(x, bits, iters, rotated, scale_dtype, keys):
+    quant.check_head_dim(x.shape[-1], bits)
+    reason = _quant_unsupported(x, bits, iters, scale_dtype)
+    if reason:
+        _fallback("tile quantization", reason)
+        ops = quant.quantize_keys if keys else quant.quantize_values
+        return ops(x, bits, iters, rotated, scale_dtype)
+    return _quantize_metal(x, bits, iters, rotated, scale_dtype, keys)
+
+
 def quantize_keys_metal(k, bits, iters=8, rotated=True, scale_dtype="float16"):
     """Key tiles k [..., G, D] -> (words [..., D, G*bits/32], a [..., D], b [..., D], t [..., G]);
     the kernel version of quant.quantize_keys (falls back to it for unsupported input)."""
-    quant.check_head_dim(k.shape[-1], bits)
-    reason = _quant_unsupported(k, bits, iters, scale_dtype)
-    if reason:
-        _fallback("tile quantization", reason)
-        return quant.quantize_keys(k, bits, iters, rotated, scale_dtype)
-    return _quantize_metal(k, bits, iters, rotated, scale_dtype, keys=True)
+    return _quantize_or_fall_back(k, bits, iters, rotated, scale_dtype, keys=True)
 
 
 def quantize_values_metal(v, bits, iters=8, rotated=True, scale_dtype="float16"):
     """Value tiles v [..., G, D] -> (words [..., G, D*bits/32], a [..., G], b [..., G], c [..., D]);
     the kernel version of quant.quantize_values (falls back to it for unsupported input)."""
-    quant.check_head_dim(v.shape[-1], bits)
-    reason = _quant_unsupported(v, bits, iters, scale_dtype)
-    if reason:
-        _fallback("tile quantization", reason)
-        return quant.quantize_values(v, bits, iters, rotated, scale_dtype)
-    return _quantize_metal(v, bits, iters, rotated, scale_dtype, keys=False)
+    return _quantize_or_fall_back(v, bits, iters, rotated, scale_dtype, keys=False)
 
 
 def quantize_keys(k, bits, iters=8, rotated=True, scale_dtype="float16"):
