@@ -106,7 +106,7 @@ class TileCache(_BaseCache):
         out = []
         for side, x in ((self.k_side, k), (self.v_side, v)):
             held = side.quantize(x.reshape(B, H, m, self.G, D))
-            self.held.append(held)
+            self.held.append((side, held))
             out.append(side.dequantize(held).reshape(B, H, T, D).astype(x.dtype))
         self.k_hat = out[0] if self.k_hat is None else mx.concatenate([self.k_hat, out[0]], axis=2)
         self.v_hat = out[1] if self.v_hat is None else mx.concatenate([self.v_hat, out[1]], axis=2)
@@ -128,7 +128,7 @@ class TileCache(_BaseCache):
         return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
 
     def nbytes_breakdown(self):
-        quantized = sum(a.nbytes for h in self.held for a in h if isinstance(a, mx.array))
+        quantized = sum(a.nbytes for _, h in self.held for a in h if isinstance(a, mx.array))
         sink_tail = sum(x.nbytes for x in (self.sink_k, self.sink_v, self.tail_k, self.tail_v) if x is not None)
         return {"quantized": quantized, "sink_tail": sink_tail, "total": quantized + sink_tail}
 
@@ -276,10 +276,12 @@ def cache_bytes(caches):
                 continue
             b = c.nbytes_breakdown()
             total += b["total"]
-            held = [a for h in c.held for a in h if isinstance(a, mx.array)]
+            # bits/element over the quantized side(s) only (K-only / V-only keep the other exact)
+            held = [a for side, h in c.held if not isinstance(side, FullSide) for a in h if isinstance(a, mx.array)]
             qbytes += sum(a.nbytes for a in held)
             B, H, _, D = c.sink_k.shape
-            qelems += 2 * B * H * c.n_tiles * c.G * D
+            sides = sum(not isinstance(s, FullSide) for s in (c.k_side, c.v_side))
+            qelems += sides * B * H * c.n_tiles * c.G * D
         elif isinstance(c, QuantizedKVCache):
             if c.keys is None:
                 continue
@@ -532,7 +534,7 @@ def fidelity_markdown(res, meta):
            f"Metrics over {res['positions']}; KL = KL(p_fp || p_method) per position in nats. "
            "Bytes: measured held K/V arrays of all layers at that context (sink and tail in the model's dtype, "
            "float32 here); ratio = a 2-byte fp16 KVCache's bytes / measured bytes. "
-           "bits/elt: codes + scales per element stored in quantized tiles.\n"]
+           "bits/elt: codes + scales per element stored in quantized tiles (for K-only / V-only: of the quantized side).\n"]
     for Lc in sorted({r["context"] for r in res["rows"]}):
         out.append(f"\n## Context {Lc}\n")
         out.append("| method | K/V bits | KL mean | KL p99 | top-1 agree | ppl | ppl delta | bytes | vs fp16 | bits/elt |")
@@ -554,15 +556,17 @@ def fidelity_plots(res, outdir):
         return []
     rows = [r for r in res["rows"] if r["method"] != "fp"]
     files = []
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, bits in zip(axes, ("2", "4")):
-        for m in dict.fromkeys(r["method"] for r in rows):
+    def group(r):  # the first code width in "K/V bits" ("fp/2" -> 2)
+        return next(b for b in r["bits_kv"].split("/") if b != "fp")
+
+    groups = sorted({group(r) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
+    for ax, bits in zip(axes[0], groups):
+        for m in dict.fromkeys(r["method"] for r in rows if group(r) == bits):
             rr = [r for r in rows if r["method"] == m]
-            if not rr or bits not in rr[0]["bits_kv"].split("/")[0] + rr[0]["bits_kv"].split("/")[1]:
-                continue
             ax.plot([r["context"] for r in rr], [max(r["kl_mean"], 1e-6) for r in rr], "o-", label=m)
         ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="mean KL to fp (nats)",
-               title=f"methods with {bits}-bit codes")
+               title=f"{bits}-bit codes (first side)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     files.append(outdir / "fidelity_kl.png")
