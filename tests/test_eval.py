@@ -83,7 +83,7 @@ def test_tilecache_matches_kvarncache():
 @pytest.mark.parametrize("argv", [
     ["fidelity", "--contexts", "256,384", "--methods", "kivi2,oracle2,affine2,mlxq2,vonly2,k4v2_g128", "--chunk", "128"],
     ["accumulation", "--context", "512", "--methods", "kivi2,rot2,kvarn2,mlxq2"],
-    ["decode", "--prompt-len", "160", "--steps", "24", "--methods", "kivi2,kvarn2", "--text", "topics"],
+    ["decode", "--prompt-len", "160", "--steps", "24", "--methods", "kivi2,kvarn2", "--text", "topics", "--prompts", "2"],
 ])
 def test_cli_end_to_end(model, tmp_path, argv, monkeypatch):
     monkeypatch.setenv("KVARN_EVAL_QUIET", "1")
