@@ -732,6 +732,21 @@ def accumulation_markdown(res, meta):
     return "\n".join(out) + "\n"
 
 
+def compact_accumulation(res, bin=16):
+    """For the json: per-position curves averaged over layers at full resolution,
+    per-layer curves as means over bins of `bin` tokens (keeps files small)."""
+    out = dict(res, methods={}, layer_bin=bin)
+    for name, r in res["methods"].items():
+        m = {}
+        for key in ("accumulated", "static"):
+            x = np.asarray(r[key], dtype=np.float64)
+            n = x.shape[1] // bin * bin
+            m[f"{key}_mean_over_layers"] = np.round(x.mean(axis=0), 6)
+            m[f"{key}_per_layer_binned"] = np.round(x[:, :n].reshape(x.shape[0], -1, bin).mean(axis=2), 6)
+        out["methods"][name] = m
+    return out
+
+
 def accumulation_plots(res, outdir, smooth=64):
     plt = _plt()
     if plt is None:
@@ -937,6 +952,7 @@ def main(argv=None, model=None, tokenizer=None, model_name=None):
         res = accumulation(model, tokenizer, methods, args.context, args.block, args.text)
         md, plots, stem = accumulation_markdown(res, meta), accumulation_plots(res, out), f"accumulation{tag}"
         res["summary"] = accumulation_summary(res)[0]
+        res = compact_accumulation(res)
     else:
         res = decode(model, tokenizer, methods, args.prompt_len, args.steps, args.text, prompts=args.prompts)
         md, plots, stem = decode_markdown(res, meta), decode_plots(res, out), f"decode{tag}"
