@@ -39,8 +39,10 @@ import math
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -945,22 +947,25 @@ def main(argv=None, model=None, tokenizer=None, model_name=None):
         if m != "fp":
             method_bits(m)  # fail early on unknown names
     tag = f"_{args.tag}" if args.tag else ""
+    # Plots are drawn in a scratch folder and moved with the tag, so a tagged run never touches untagged files.
+    scratch = Path(tempfile.mkdtemp(prefix=".plots.", dir=out))
     if args.cmd == "fidelity":
         res = fidelity_with_mode(args, model, tokenizer, methods)
-        md, plots, stem = fidelity_markdown(res, meta), fidelity_plots(res, out), f"fidelity{tag}"
+        md, plots, stem = fidelity_markdown(res, meta), fidelity_plots(res, scratch), f"fidelity{tag}"
     elif args.cmd == "accumulation":
         res = accumulation(model, tokenizer, methods, args.context, args.block, args.text)
-        md, plots, stem = accumulation_markdown(res, meta), accumulation_plots(res, out), f"accumulation{tag}"
+        md, plots, stem = accumulation_markdown(res, meta), accumulation_plots(res, scratch), f"accumulation{tag}"
         res["summary"] = accumulation_summary(res)[0]
         res = compact_accumulation(res)
     else:
         res = decode(model, tokenizer, methods, args.prompt_len, args.steps, args.text, prompts=args.prompts)
-        md, plots, stem = decode_markdown(res, meta), decode_plots(res, out), f"decode{tag}"
+        md, plots, stem = decode_markdown(res, meta), decode_plots(res, scratch), f"decode{tag}"
     renamed = []
     for f in plots:
-        g = f.with_name(f.stem + tag + f.suffix)
+        g = out / (f.stem + tag + f.suffix)
         f.replace(g)
         renamed.append(g.name)
+    shutil.rmtree(scratch, ignore_errors=True)
     md += "\n" + "\n".join(f"![{g}]({g})" for g in renamed) + "\n"
     (out / f"{stem}.md").write_text(md)
     (out / f"{stem}.json").write_text(json.dumps(_jsonable({"meta": meta, "result": res, "plots": renamed}), indent=1))
