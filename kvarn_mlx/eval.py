@@ -200,7 +200,7 @@ class OracleKeySide:
 
 # -- methods -------------------------------------------------------------------
 
-_FAMILIES = ("kvarn", "kivi", "rot", "norm", "oracle", "affine", "mlxq", "konly", "vonly")
+_FAMILIES = ("kvarn", "kivi", "rot", "norm", "oracle", "affine", "mlxq", "konly", "vonly", "plaink", "auto")
 
 
 def method_config(name):
@@ -212,6 +212,8 @@ def method_config(name):
         iters = 8 if fam in ("kvarn", "norm") else 0
         rot = fam in ("kvarn", "rot")
         return KVarNConfig(k_bits=b, v_bits=b, group_size=G, sink=SINK, iters=iters, rotate_keys=rot, rotate_values=rot)
+    if fam in ("plaink", "auto"):  # KVarN without key rotation / with it chosen per kv head (values rotated)
+        return KVarNConfig(k_bits=b, v_bits=b, group_size=G, sink=SINK, rotate_keys=fam == "auto")
     return None
 
 
