@@ -83,10 +83,48 @@ def use_metal() -> bool:
     if b == "ops":
         return False
     if available():
-        return True
+        return emulated() or _self_test()
     if b == "metal":
         _log_once(("unavailable",), "KVARN_MLX_KERNELS=metal but Metal is not available here; using the MLX ops path")
     return False
+
+
+_self_test_result = None
+
+
+def _self_test() -> bool:
+    """Once per process on a real device: run both kernels on a small case and
+    compare with the ops path. A kernel that fails to build or disagrees on this
+    device turns the kernels off (one log line) instead of giving wrong answers."""
+    global _self_test_result
+    if _self_test_result is None:
+        from .attention import attend
+
+        try:
+            x = mx.random.normal((1, 2, 2, 64, 64), key=mx.random.key(0))
+            k_tiles = _quantize_metal(x, 4, 8, True, "float32", keys=True)
+            v_tiles = _quantize_metal(x, 2, 8, True, "float32", keys=False)
+            k_ops, v_ops = quant.quantize_keys(x, 4, 8, True, "float32"), quant.quantize_values(x, 2, 8, True, "float32")
+            q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(1))
+            sink, tail = x[:, :, 0, :16], x[:, :, 1, :5]
+            tiles = (*k_tiles, *v_tiles)
+            got = packed_attention_metal(q, sink, sink, *tiles, 2, tail, tail, 0.125, 4, 2)
+            want = attend(q, sink, sink, (*k_ops, *v_ops), tail, tail, 0.125, 4, 2)
+            # Loose bounds: near-tied normalization iterates may legitimately differ
+            # (tests/test_kernels.py holds the kernels to the reference tightly).
+            def close(a, b, tol):
+                return (mx.abs(a - b).mean() <= tol * mx.abs(b).mean()).item()
+
+            _self_test_result = (close(quant.dequantize_keys(*k_tiles, 4), quant.dequantize_keys(*k_ops, 4), 0.05)
+                                 and close(quant.dequantize_values(*v_tiles, 2), quant.dequantize_values(*v_ops, 2), 0.05)
+                                 and close(got, want, 0.05))
+            if not _self_test_result:
+                log.warning("kvarn_mlx: the Metal kernels disagree with the MLX ops path on this device; "
+                            "using the ops path (please report this with your chip and macOS version)")
+        except Exception as e:  # a kernel that does not build here
+            log.warning(f"kvarn_mlx: the Metal kernels failed on this device ({e}); using the MLX ops path")
+            _self_test_result = False
+    return _self_test_result
 
 
 def _log_once(key, msg):

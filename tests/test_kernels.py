@@ -505,3 +505,28 @@ def test_greedy_generation_same_tokens_with_kernels(monkeypatch, rotate_keys):
     assert calls["packed_attention_metal"] >= 32
     assert calls["_quantize_metal"] >= 8  # K and V, 2 layers, prefill tile and the tile filled while decoding
     assert got == want
+
+
+def test_device_self_test(monkeypatch, caplog):
+    """On a real device the kernels check themselves once against the ops path and
+    turn off (one log line) if they fail to build or disagree."""
+    monkeypatch.setattr(kernels, "_self_test_result", None)
+    with metal():
+        assert kernels._self_test() is True
+    monkeypatch.setattr(kernels, "_self_test_result", None)
+
+    def broken(*a, **k):
+        raise RuntimeError("[metal::Device] Unable to build metal library")
+    monkeypatch.setattr(kernels, "_quantize_metal", broken)
+    with metal(), caplog.at_level(logging.WARNING, logger="kvarn_mlx.kernels"):
+        assert kernels._self_test() is False
+        assert kernels._self_test() is False  # decided once
+    assert sum("failed on this device" in r.getMessage() for r in caplog.records) == 1
+
+    monkeypatch.setattr(kernels, "_self_test_result", None)
+    def zeroed(x, bits, iters, rotated, scale_dtype, keys):
+        ops = quant.quantize_keys if keys else quant.quantize_values
+        return tuple(o * 0 for o in ops(x, bits, iters, rotated, scale_dtype))
+    monkeypatch.setattr(kernels, "_quantize_metal", zeroed)
+    with metal():
+        assert kernels._self_test() is False  # wrong numbers, no exception
