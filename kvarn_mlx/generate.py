@@ -75,13 +75,14 @@ def kv_stats(cache):
             "kvarn_layers": len(kvarn), "layers": len(cache)}
 
 
-def run(model, tokenizer, prompt_ids, cache, args, out=sys.stdout):
-    """Stream one generation into `out`; returns (text, last response, seconds)."""
+def run(model, tokenizer, prompt_ids, cache, args, out=None):
+    """Stream one generation into `out` (stdout); returns (text, last response, seconds, prompt tokens)."""
+    out = out or sys.stdout
     sampler = make_sampler(args.temp, args.top_p)
     n = len(prompt_ids)
 
     def progress(done, total):
-        if total > args.prefill_step_size and out is sys.stdout:
+        if total > args.prefill_step_size:
             print(f"\rprefill {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
     text, last = "", None
@@ -98,7 +99,8 @@ def run(model, tokenizer, prompt_ids, cache, args, out=sys.stdout):
     return text, last, time.perf_counter() - start, n
 
 
-def print_stats(name, last, cache, out=sys.stdout):
+def print_stats(name, last, cache, out=None):
+    out = out or sys.stdout
     s = kv_stats(cache)
     print("=" * 10, file=out)
     print(f"KV cache: {name}", file=out)

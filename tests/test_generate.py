@@ -1,0 +1,60 @@
+"""python -m kvarn_mlx.generate on the embedded model."""
+
+import io
+import pathlib
+
+import pytest
+
+from kvarn_mlx import generate
+
+QUESTION = "What is the capital of France?"
+# A long system prompt with no sink puts the prompt into quantized tiles before the answer.
+LONG_SYSTEM = "You are a helpful assistant. " + " ".join(
+    pathlib.Path("/usr/share/common-licenses/Apache-2.0").read_text().split()[:230])
+
+
+def run(capsys, *argv):
+    generate.main(["--max-tokens", "20", *argv])
+    return capsys.readouterr()
+
+
+@pytest.mark.parametrize("preset", ["k4v2_g128", "k2v2_g128"])
+def test_answers_with_quantized_tiles(capsys, smollm, preset):
+    out = run(capsys, "--prompt", QUESTION, "--system-prompt", LONG_SYSTEM, "--kv-preset", preset, "--kv-sink", "0").out
+    assert "Paris" in out
+    assert f"KV cache: {preset}" in out
+    tiles = int(out.split("Tiles quantized: ")[1].split()[0])
+    assert tiles >= 2  # the answer was decoded over quantized tiles
+    assert "tokens-per-sec" in out and "Peak memory" in out and "fp16-equivalent" in out
+
+
+def test_compare_runs_the_plain_cache_too(capsys, smollm):
+    out = run(capsys, "--prompt", QUESTION, "--system-prompt", LONG_SYSTEM, "--kv-sink", "0", "--compare").out
+    assert out.count("Paris") >= 2
+    assert "KV cache: fp16" in out and "Measured: plain cache holds" in out
+
+
+def test_prompt_from_stdin(capsys, smollm, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO(QUESTION))
+    assert "Paris" in run(capsys, "--prompt", "-").out
+
+
+def test_prompt_cache_file_saved_then_reused(capsys, smollm, tmp_path):
+    path = tmp_path / "chat.safetensors"
+    first = run(capsys, "--prompt", QUESTION, "--system-prompt", LONG_SYSTEM, "--kv-sink", "0",
+                "--prompt-cache-file", str(path))
+    assert path.exists() and "Saved the prompt cache" in first.err
+    again = run(capsys, "--prompt", "And of Italy?", "--ignore-chat-template", "--prompt-cache-file", str(path)).out
+    assert "KV cache: loaded from file" in again
+    assert int(again.split("Tiles quantized: ")[1].split()[0]) >= 2
+
+
+def test_bad_input_exits_with_the_fix(capsys, smollm, tmp_path):
+    with pytest.raises(SystemExit, match="unknown --kv-preset 'k1v1'; valid: .*k4v2_g128"):
+        generate.main(["--kv-preset", "k1v1"])
+    bad = tmp_path / "broken.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(SystemExit, match="cannot load prompt cache .*delete it"):
+        generate.main(["--prompt-cache-file", str(bad)])
+    with pytest.raises(SystemExit, match="no such model folder"):
+        generate.main(["--model", str(tmp_path / "missing")])
