@@ -10,6 +10,7 @@ Tiles are quantized once, when the tail fills, and never again.
 """
 
 import logging
+import weakref
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
@@ -37,6 +38,8 @@ class KVarNCache(_BaseCache):
     Attention over it runs in the packed domain once `kvarn_mlx.patch()` is on
     (make_cache does that); `update_and_fetch` still returns correct, lazily
     dequantized keys and values for code that bypasses the patched entry point.
+    A step attends to its own tokens in full precision for as long as the
+    arrays update_and_fetch returned are alive (as in every mlx-lm model).
     """
 
     step_tiles = 4  # tile storage grows by at least this many tiles
@@ -101,7 +104,11 @@ class KVarNCache(_BaseCache):
             self._append_tiles(rk[..., : m * G, :].reshape(B, H, m, G, D),
                                rv[..., : m * G, :].reshape(B, H, m, G, D))
             self._new_tail(rk[..., m * G :, :], rv[..., m * G :, :])
-        return self.dequantized()
+        keys, values = self.dequantized()
+        # `_recent` serves this step's attention only. packed_attention drops it;
+        # for models that attend on the returned arrays instead, drop it with them.
+        weakref.finalize(keys, _forget_recent, weakref.ref(self), self._recent)
+        return keys, values
 
     def _start(self, keys, values):
         B, H, _, D = keys.shape
@@ -380,6 +387,12 @@ class KVarNCache(_BaseCache):
         if not ok:
             raise ValueError("corrupt KVarNCache state: token counts and array shapes disagree; delete the file and build the cache again")
         self._n_seen, self._recent = self.n_tiles, None
+
+
+def _forget_recent(cache_ref, recent):
+    cache = cache_ref()
+    if cache is not None and cache._recent is recent:
+        cache._recent = None
 
 
 def _scalar(x):

@@ -119,7 +119,8 @@ def test_packed_matches_reference(D, gqa, G, kb, vb, sink, T, L):
     k, v = kv_data(rng, 1, H, T, D)
     feed(cache, k, v)
     tiles_before = cache.n_tiles
-    q, k2, v2, _, _ = step(cache, rng, 1, H * gqa, L, D)
+    # A model holds the returned K, V until its attention call: so does this test.
+    q, k2, v2, K, V = step(cache, rng, 1, H * gqa, L, D)
 
     # The view: tiles quantized before this step; sink and newer tokens exactly as fed.
     sk, sv, tiles, rk, rv = cache.attention_view()

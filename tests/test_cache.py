@@ -157,10 +157,6 @@ def test_active_memory_is_what_nbytes_says():
 
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known: on the fallback path (models that call mx.fast SDPA themselves, or unpatched) "
-    "the cache keeps the step's full-precision view (_recent: old tail + the whole chunk) "
-    "until the next update; only packed_attention releases it"))
 def test_fallback_path_holds_no_float_copy_between_steps():
     cache = KVarNCache("k4v2_g128")
     k, v = rand_kv(1, 3, 4096, 64, seed=2)
