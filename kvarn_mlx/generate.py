@@ -7,11 +7,10 @@ plain cache), --compare runs the same prompt with the plain cache as well.
 import argparse
 import os
 import sys
-import time
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from .cache import KVarNCache, make_cache
@@ -76,17 +75,15 @@ def kv_stats(cache):
 
 
 def run(model, tokenizer, prompt_ids, cache, args, out=None):
-    """Stream one generation into `out` (stdout); returns (text, last response, seconds, prompt tokens)."""
+    """Stream one generation into `out` (stdout) when verbose; returns (text, last response)."""
     out = out or sys.stdout
     sampler = make_sampler(args.temp, args.top_p)
-    n = len(prompt_ids)
 
     def progress(done, total):
         if total > args.prefill_step_size:
             print(f"\rprefill {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
     text, last = "", None
-    start = time.perf_counter()
     for r in stream_generate(model, tokenizer, prompt_ids, max_tokens=args.max_tokens, sampler=sampler,
                              prompt_cache=cache, prefill_step_size=args.prefill_step_size,
                              prompt_progress_callback=progress):
@@ -96,7 +93,7 @@ def run(model, tokenizer, prompt_ids, cache, args, out=None):
             print(r.text, end="", flush=True, file=out)
     if args.verbose:
         print(file=out)
-    return text, last, time.perf_counter() - start, n
+    return text, last
 
 
 def print_stats(name, last, cache, out=None):
@@ -146,15 +143,17 @@ def main(argv=None):
             cache = load_prompt_cache(cache_file)
         except Exception as e:  # mlx raises plain RuntimeError/ValueError on damaged files
             sys.exit(f"error: cannot load prompt cache {cache_file!r} ({e}); delete it or pass another file")
-        if len(cache) != len(make_cache(model, FP16)):
+        if len(cache) != len(make_prompt_cache(model)):
             sys.exit(f"error: prompt cache {cache_file!r} was made for a model with {len(cache)} layers")
     else:
         cache = make_cache(model, args.kv_preset, sink=args.kv_sink)
 
     name = "loaded from file" if cache_file and os.path.exists(cache_file) else args.kv_preset
-    _, last, _, _ = run(model, tokenizer, prompt_ids, cache, args)
+    text, last = run(model, tokenizer, prompt_ids, cache, args)
     if args.verbose:
         print_stats(name, last, cache)
+    else:  # as mlx_lm.generate: just the text
+        print(text)
     if cache_file and not os.path.exists(cache_file):
         save_prompt_cache(cache_file, cache, {"model": args.model or "embedded:SmolLM2-135M-Instruct"})
         print(f"Saved the prompt cache to {cache_file}", file=sys.stderr)
@@ -163,7 +162,9 @@ def main(argv=None):
         mx.reset_peak_memory()
         print("\n--- same prompt, plain fp16 KV cache ---")
         ref_cache = make_cache(model, FP16)
-        _, ref_last, _, _ = run(model, tokenizer, prompt_ids, ref_cache, args)
+        ref_text, ref_last = run(model, tokenizer, prompt_ids, ref_cache, args)
+        if not args.verbose:
+            print(ref_text)
         print_stats(FP16, ref_last, ref_cache)
         if last is not None and ref_last is not None:
             held = kv_stats(cache)["held"]

@@ -58,3 +58,8 @@ def test_bad_input_exits_with_the_fix(capsys, smollm, tmp_path):
         generate.main(["--prompt-cache-file", str(bad)])
     with pytest.raises(SystemExit, match="no such model folder"):
         generate.main(["--model", str(tmp_path / "missing")])
+
+
+def test_quiet_run_prints_just_the_text(capsys, smollm):
+    out = run(capsys, "--prompt", QUESTION, "--verbose", "false").out
+    assert "Paris" in out and "KV cache:" not in out
