@@ -1,5 +1,46 @@
 import pytest
 
+import metal_emulator
+
+# Node ids of skipped tests: kernel tests that had no Metal device or emulator, and the rest.
+SKIPPED = {"kernel": set(), "other": set()}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fail-on-skip", action="store_true",
+        help="fail the run if any test skips, except kernel tests on a machine with neither a Metal "
+             "device nor the MSL emulator (.ci/run sets this on Linux)")
+
+
+def pytest_configure(config):
+    try:
+        metal_emulator.find()
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        kind = "kernel" if metal_emulator.SKIP_REASON in str(report.longrepr) else "other"
+        SKIPPED[kind].add(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.getoption("fail_on_skip") and exitstatus == 0 and SKIPPED["other"]:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    kernel, other = SKIPPED["kernel"], SKIPPED["other"]
+    if kernel:
+        terminalreporter.write_line(f"{len(kernel)} kernel tests did not run: {metal_emulator.SKIP_REASON}",
+                                    yellow=True)
+    if other and config.getoption("fail_on_skip"):
+        # Everything .ci/run installs is what the tests need: such a skip is a missing
+        # install step, not a passing test.
+        terminalreporter.write_line(f"--fail-on-skip: {len(other)} skipped (reasons below): failing", red=True)
+
 
 @pytest.fixture(scope="session")
 def smollm():

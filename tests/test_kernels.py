@@ -1,8 +1,9 @@
 """Metal kernels (kvarn_mlx.kernels) against the numpy reference.
 
-On a Mac with Metal the kernels run natively; elsewhere they run through the MSL
-emulator in ../shared/mslemu (the exact kernel source, compiled as C++ with real
-barrier and simdgroup semantics). Emulated kernels are slow, so shapes are small
+On a Mac with Metal the kernels run natively; elsewhere they run through the
+optional MSL emulator (tests/metal_emulator.py, docs/testing.md: the exact kernel
+source, compiled as C++ with real barrier and simdgroup semantics) and skip
+without it. Emulated kernels are slow, so shapes are small
 and the bug-hunting modes (sanitizers, thread orders, poisoned threadgroup
 memory, clang address-space lint) use one small configuration.
 
@@ -31,18 +32,14 @@ import pytest
 from kvarn_mlx import kernels, quant
 from kvarn_mlx import reference as ref
 from kvarn_mlx.attention import attend
+import metal_emulator
 from refcheck import ITERS, MAX_MISMATCH, SCALE_RTOL, TIE, ref_candidates, rel_err
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MSLEMU = ROOT.parent / "shared" / "mslemu"
-NATIVE = kernels.available()  # a real Metal device (nothing is patched yet)
-mslemu = None
-if not NATIVE and MSLEMU.is_dir():
-    sys.path.insert(0, str(MSLEMU))
-    import mslemu  # noqa: E402
+NATIVE = metal_emulator.NATIVE  # a real Metal device
+mslemu = None if NATIVE else metal_emulator.load()
 
-pytestmark = pytest.mark.skipif(not NATIVE and mslemu is None,
-                                reason="no Metal device and no MSL emulator at ../shared/mslemu")
+pytestmark = pytest.mark.skipif(not NATIVE and mslemu is None, reason=metal_emulator.SKIP_REASON)
 
 ATT_TOL = 2e-5
 ATT_TOL_HALF = 4e-3
