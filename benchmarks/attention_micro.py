@@ -25,7 +25,7 @@ from mlx_lm.models.base import quantized_scaled_dot_product_attention
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvarn_mlx.attention import packed_attention  # noqa: E402
 from kvarn_mlx.cache import KVarNCache  # noqa: E402
-from kvarn_mlx.eval import _meta_md, metadata  # noqa: E402
+from kvarn_mlx.eval.runner import meta_markdown, metadata  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -73,9 +73,9 @@ def main():
         for m, t in res.items():
             rows.append({"context": ctx, "method": m, "ms": 1000 * t, "vs_fp32": t / res["fp32"], "vs_fp16": t / res["fp16"]})
         print(ctx, {m: f"{1000 * t:.2f}ms" for m, t in res.items()}, file=sys.stderr)
-    meta = metadata(None, f"attention only: {HQ} query heads, {HKV} kv heads, D={D}, 1 query token")
-    meta["command"] = "python benchmarks/attention_micro.py " + " ".join(sys.argv[1:])
-    md = ["# Attention-only decode microbenchmark\n", _meta_md(meta),
+    meta = metadata(f"attention only: {HQ} query heads, {HKV} kv heads, D={D}, 1 query token",
+                    "python benchmarks/attention_micro.py " + " ".join(sys.argv[1:]))
+    md = ["# Attention-only decode microbenchmark\n", meta_markdown(meta),
           f"\nMedian of {args.reps} calls. Time ratio > 1 means slower than the float path. **CPU caveat**: MLX's CPU "
           "quantized matmul is slow and float16 has no fast CPU path; Apple silicon will differ.\n",
           "| context | method | ms | time vs fp32 | time vs fp16 |", "|---|---|---|---|---|"]

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvarn_mlx import quant  # noqa: E402
 from kvarn_mlx.cache import KVarNCache, make_cache  # noqa: E402
 from kvarn_mlx.config import get_preset  # noqa: E402
-from kvarn_mlx.eval import Progress, _meta_md, _plt, metadata  # noqa: E402
+from kvarn_mlx.eval.runner import Progress, meta_markdown, metadata, pyplot  # noqa: E402
 
 METHODS = ("fp", "mlxq4", "mlxq2", "k4v4_g128", "k4v2_g128", "k2v2_g128")
 
@@ -106,7 +106,7 @@ def tile_overhead(n_layers, H, D, G, cfg, reps=5):
 
 
 def render(data):
-    md = ["# Decode speed and memory vs context\n", _meta_md(data["meta"]),
+    md = ["# Decode speed and memory vs context\n", meta_markdown(data["meta"]),
           f"\nTokens/s from the median seconds per decode step over {data['steps']} steps (after 2 warm-up steps), caches filled with "
           "random K/V to the context. fp = mlx-lm KVCache holding the model's float32 K/V; mlxqB = mlx-lm "
           "QuantizedKVCache (group 64, B bits, its own quantized attention, no sink/tail); KVarN presets use packed "
@@ -190,12 +190,11 @@ def main():
                                  "fraction_of_decode": per_tok / r["s_per_token"],
                                  "normalization_fraction": (full - no_norm) / cfg.group_size / r["s_per_token"]})
 
-    meta = metadata(None, name)
-    meta["command"] = "python benchmarks/decode_speed.py " + " ".join(sys.argv[1:])
+    meta = metadata(name, "python benchmarks/decode_speed.py " + " ".join(sys.argv[1:]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     md = render({"meta": meta, "rows": rows, "overhead": overhead, "steps": args.steps}).split("\n")
-    plt = _plt()
+    plt = pyplot()
     plots = []
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -8,7 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvarn_mlx import eval as ev
+from kvarn_mlx.eval import methods as ev
+from kvarn_mlx.eval.__main__ import main
+from kvarn_mlx.eval.fidelity import fidelity
 from kvarn_mlx.cache import KVarNCache
 
 from models import tiny_model
@@ -25,14 +27,14 @@ def model():
 
 
 def test_fp_against_itself_is_exact(model):
-    res = ev.fidelity(model, Bytes(), ["fp"], [384], chunk=128)
+    res = fidelity(model, Bytes(), ["fp"], [384], chunk=128)
     (row,) = res["rows"]
     assert row["kl_mean"] == 0 and row["kl_p99"] == 0
     assert row["top1_agree"] == 1 and row["ppl_delta"] == 0
 
 
 def test_quantized_methods_differ_and_report_bytes(model):
-    res = ev.fidelity(model, Bytes(), ["kivi2", "kvarn4", "mlxq2", "konly2"], [512], chunk=128)
+    res = fidelity(model, Bytes(), ["kivi2", "kvarn4", "mlxq2", "konly2"], [512], chunk=128)
     rows = {r["method"]: r for r in res["rows"]}
     assert rows["kivi2"]["kl_mean"] > rows["kvarn4"]["kl_mean"] > 0
     for m in ("kivi2", "kvarn4", "mlxq2"):
@@ -85,9 +87,8 @@ def test_tilecache_matches_kvarncache():
     ["accumulation", "--context", "512", "--methods", "kivi2,rot2,kvarn2,mlxq2"],
     ["decode", "--prompt-len", "160", "--steps", "24", "--methods", "kivi2,kvarn2", "--text", "topics", "--prompts", "2"],
 ])
-def test_cli_end_to_end(model, tmp_path, argv, monkeypatch):
-    monkeypatch.setenv("KVARN_EVAL_QUIET", "1")
-    ev.main(["--out", str(tmp_path), *argv], model=model, tokenizer=Bytes(), model_name="tiny llama64")
+def test_cli_end_to_end(model, tmp_path, argv):
+    main(["--out", str(tmp_path), *argv], model=model, tokenizer=Bytes(), model_name="tiny llama64")
     stem = argv[0]
     data = json.loads((tmp_path / f"{stem}.json").read_text())
     assert data["meta"]["model"] == "tiny llama64" and "mlx" in data["meta"]["versions"]
@@ -102,4 +103,4 @@ def test_cli_end_to_end(model, tmp_path, argv, monkeypatch):
 
 def test_unknown_method_fails_early(model, tmp_path):
     with pytest.raises(ValueError, match="unknown method"):
-        ev.main(["--out", str(tmp_path), "fidelity", "--methods", "kivi3"], model=model, tokenizer=Bytes())
+        main(["--out", str(tmp_path), "fidelity", "--methods", "kivi3"], model=model, tokenizer=Bytes())

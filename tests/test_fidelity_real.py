@@ -3,7 +3,7 @@ over 1,024 tokens of CPython's pydoc text, against the fp cache's logits."""
 
 import pytest
 
-from kvarn_mlx import eval as ev
+from kvarn_mlx.eval.fidelity import fidelity
 
 
 @pytest.fixture(scope="module")
@@ -11,11 +11,7 @@ def kl_1024(smollm):
     model, tokenizer = smollm
     methods = ["k4v4_g128", "k4v2_g128", "k2v2_g128", "mlxq2", "plaink2", "auto2"]
     # The product's path: packed attention (where "auto" decides with real queries).
-    mode, ev._Hook.mode = ev._Hook.mode, "packed"
-    try:
-        res = ev.fidelity(model, tokenizer, methods, [1024])
-    finally:
-        ev._Hook.mode = mode
+    res = fidelity(model, tokenizer, methods, [1024], attention_mode="packed")
     kl = {r["method"]: r["kl_mean"] for r in res["rows"]}
     print("mean KL at 1024 tokens:", {k: round(v, 4) for k, v in kl.items()})
     return kl

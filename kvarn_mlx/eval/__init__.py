@@ -1,0 +1,9 @@
+"""How close a quantized KV cache stays to full precision (python -m kvarn_mlx.eval).
+
+    runner.py        text, chunked runs, attention mode, metadata, writing results
+    methods.py       method names -> caches, bytes held
+    fidelity.py      teacher-forced logits vs the plain cache, per context length
+    accumulation.py  attention-output error by position, accumulated vs static
+    decode.py        greedy decoding: first divergence, per-step KL
+    __main__.py      the command line
+"""

@@ -1,0 +1,62 @@
+"""python -m kvarn_mlx.eval: how close a quantized KV cache stays to full precision.
+
+Subcommands
+  fidelity      teacher-forced logits over real text vs the plain-cache run:
+                mean / p99 KL, top-1 agreement, perplexity delta, per context length.
+  accumulation  the KVarN paper's pseudo-decode: per layer, mean absolute error
+                of the attention output vs full precision, by position,
+                "accumulated" (chunked prefill) next to "static" (one-shot).
+  decode        greedy decoding: steps until the first token that differs from the
+                full-precision run, and per-step KL on the full-precision trajectory.
+
+By default attention runs on dequantized K/V with mx.fast.scaled_dot_product_attention
+(--attention dequant): the same numbers as the packed path up to float rounding,
+and much faster on CPU. --attention packed uses kvarn_mlx's packed attention
+(and mlx-lm's quantized attention for mlxqB).
+"""
+
+import argparse
+import sys
+
+from . import accumulation, decode, fidelity, methods
+from .runner import ATTENTION_MODES, meta_markdown, metadata, write_results
+
+EXPERIMENTS = {m.NAME: m for m in (fidelity, accumulation, decode)}
+
+
+def setup_arg_parser():
+    p = argparse.ArgumentParser(prog="python -m kvarn_mlx.eval", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1] + "\n" + methods.__doc__.split("\n\n", 1)[1])
+    p.add_argument("--model", default=None, help="MLX model folder or HF repo (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", default="benchmarks/results", help="results folder")
+    p.add_argument("--tag", default="", help="suffix for result file names")
+    p.add_argument("--attention", choices=ATTENTION_MODES, default="dequant",
+                   help="attention over dequantized K/V (fast on CPU, default) or the packed path")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, experiment in EXPERIMENTS.items():
+        experiment.add_arguments(sub.add_parser(name, help=experiment.HELP))
+    return p
+
+
+def main(argv=None, model=None, tokenizer=None, model_name=None):
+    """Run one experiment and write its results; returns the result written to the json."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = setup_arg_parser().parse_args(argv)
+    names = [m for m in args.methods.split(",") if m]
+    for m in names:
+        methods.method_bits(m)  # fail early on unknown names
+    if model is None:
+        from ..loader import load
+
+        model, tokenizer = load(args.model)
+        model_name = args.model or "SmolLM2-135M-Instruct (embedded, float32)"
+    meta = metadata(model_name, "python -m kvarn_mlx.eval " + " ".join(argv))
+    meta["attention"] = args.attention
+    result, md, draw = EXPERIMENTS[args.cmd].run(args, model, tokenizer, names, meta_markdown(meta))
+    write_results(args.out, args.cmd, args.tag, meta, result, md, draw)
+    return result
+
+
+if __name__ == "__main__":
+    main()

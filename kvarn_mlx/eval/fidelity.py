@@ -1,0 +1,149 @@
+"""Teacher-forced fidelity: a method's logits over real text against the plain
+cache's, per context length (mean / p99 KL, top-1 agreement, perplexity delta,
+bytes held)."""
+
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from .methods import SINK, cache_bytes, fp16_bytes, make_caches, method_bits
+from .runner import attention, log_softmax, pyplot, run_chunks, tokens
+
+NAME = "fidelity"
+HELP = "teacher-forced KL / top-1 / perplexity vs the plain cache"
+
+
+def add_arguments(p):
+    p.add_argument("--methods", default="kivi2,rot2,norm2,kvarn2,oracle2,affine2,mlxq2,konly2,vonly2,"
+                   "kivi4,rot4,norm4,kvarn4,oracle4,affine4,mlxq4")
+    p.add_argument("--contexts", default="512,1024,2048,4096")
+    p.add_argument("--text", default="topics", help="topics (CPython pydoc_data/topics.py), licenses, or a file")
+    p.add_argument("--chunk", type=int, default=256)
+
+
+def run(args, model, tokenizer, methods, meta_md):
+    """(result for the json, markdown, plot drawer) of one CLI run."""
+    contexts = sorted(int(c) for c in args.contexts.split(","))
+    res = fidelity(model, tokenizer, methods, contexts, args.text, args.chunk, args.attention)
+    return res, markdown(res, meta_md), lambda folder: plots(res, folder)
+
+
+def fidelity(model, tokenizer, methods, contexts, source="topics", chunk=256, attention_mode="dequant", sink=SINK):
+    """Teacher-forced metrics per method and context length.
+
+    One run of max(contexts) tokens per method: attention is causal and chunk
+    boundaries are the same, so the logits at positions < L equal those of an
+    L-token run. Positions p >= sink count (predicting token p+1).
+    """
+    L = max(contexts)
+    ids = tokens(tokenizer, source, L)
+    targets = mx.array(ids[1:] + [0])
+    ref = []  # (log-probs, argmax) per chunk
+
+    per_pos, bytes_at, seconds = {}, {}, {}
+    for name in ["fp"] + [m for m in methods if m != "fp"]:
+        caches = make_caches(model, name)
+        kl, agree, nll, at = [], [], [], {}
+
+        def measure(s, logits, name=name, kl=kl, agree=agree, nll=nll, at=at, caches=caches):
+            lp = log_softmax(logits)
+            if name == "fp":
+                ref.append((lp, mx.argmax(lp, axis=-1)))
+                mx.eval(ref[-1])
+            lp_ref, top_ref = ref[s // chunk]
+            n = lp.shape[0]
+            k = (mx.exp(lp_ref) * (lp_ref - lp)).sum(axis=-1)
+            a = mx.argmax(lp, axis=-1) == top_ref
+            t = -mx.take_along_axis(lp, targets[s : s + n, None], axis=-1)[:, 0]
+            mx.eval(k, a, t)
+            kl.append(np.array(k)), agree.append(np.array(a)), nll.append(np.array(t))
+            if s + n in contexts:
+                at[s + n] = cache_bytes(caches)
+
+        t0 = time.time()
+        with attention(attention_mode):
+            run_chunks(model, ids, caches, chunk, measure, label=name)
+        seconds[name] = time.time() - t0
+        per_pos[name] = {"kl": np.concatenate(kl), "agree": np.concatenate(agree), "nll": np.concatenate(nll)}
+        bytes_at[name] = at
+        del caches
+
+    rows = []
+    for Lc in sorted(contexts):
+        sel = slice(sink, Lc - 1)  # predicting tokens sink+1 .. Lc-1
+        ppl_fp = float(np.exp(per_pos["fp"]["nll"][sel].mean()))
+        for name in per_pos:
+            p = per_pos[name]
+            kl = p["kl"][sel].astype(np.float64)
+            ppl = float(np.exp(p["nll"][sel].mean()))
+            b = bytes_at[name].get(Lc, {})
+            rows.append({
+                "method": name, "bits_kv": method_bits(name), "context": Lc,
+                "kl_mean": float(np.maximum(kl, 0).mean()), "kl_p99": float(np.percentile(np.maximum(kl, 0), 99)),
+                "top1_agree": float(p["agree"][sel].mean()), "ppl": ppl, "ppl_delta": ppl - ppl_fp,
+                "bytes": b.get("bytes"), "fp16_bytes": fp16_bytes(model, Lc),
+                "bits_per_quantized_element": b.get("bits_per_quantized_element"),
+            })
+    return {"rows": rows, "seconds": seconds, "source": source, "chunk": chunk, "sink": sink,
+            "positions": f"positions {sink}..L-2 (predicting tokens {sink + 1}..L-1)"}
+
+
+def markdown(res, meta_md):
+    out = [f"# Fidelity (teacher-forced, text: {res['source']})\n", meta_md,
+           f"\nPrefill in {res['chunk']}-token chunks (each chunk attends to tiles quantized before it). "
+           f"Metrics over {res['positions']}; KL = KL(p_fp || p_method) per position in nats. "
+           "Bytes: measured held K/V arrays of all layers at that context (sink and tail in the model's dtype, "
+           "float32 here); ratio = a 2-byte fp16 KVCache's bytes / measured bytes. "
+           "bits/elt: codes + scales per element stored in quantized tiles (for K-only / V-only: of the quantized side).\n"]
+    for Lc in sorted({r["context"] for r in res["rows"]}):
+        out.append(f"\n## Context {Lc}\n")
+        out.append("| method | K/V bits | KL mean | KL p99 | top-1 agree | ppl | ppl delta | bytes | vs fp16 | bits/elt |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
+        for r in res["rows"]:
+            if r["context"] != Lc:
+                continue
+            ratio = f"{r['fp16_bytes'] / r['bytes']:.2f}x" if r["bytes"] else ""
+            be = f"{r['bits_per_quantized_element']:.2f}" if r["bits_per_quantized_element"] else ""
+            out.append(f"| {r['method']} | {r['bits_kv']} | {r['kl_mean']:.4f} | {r['kl_p99']:.3f} | "
+                       f"{r['top1_agree']:.3f} | {r['ppl']:.3f} | {r['ppl_delta']:+.3f} | {r['bytes'] or ''} | {ratio} | {be} |")
+    out.append("\nSeconds per method (whole run): " + ", ".join(f"{k} {v:.0f}" for k, v in res["seconds"].items()))
+    return "\n".join(out) + "\n"
+
+
+def plots(res, outdir):
+    plt = pyplot()
+    if plt is None:
+        return []
+    rows = [r for r in res["rows"] if r["method"] != "fp"]
+    files = []
+
+    def group(r):  # the first code width in "K/V bits" ("fp/2" -> 2)
+        return next(b for b in r["bits_kv"].split("/") if b != "fp")
+
+    groups = sorted({group(r) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
+    for ax, bits in zip(axes[0], groups):
+        for m in dict.fromkeys(r["method"] for r in rows if group(r) == bits):
+            rr = [r for r in rows if r["method"] == m]
+            ax.plot([r["context"] for r in rr], [max(r["kl_mean"], 1e-6) for r in rr], "o-", label=m)
+        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="mean KL to fp (nats)",
+               title=f"{bits}-bit codes (first side)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    files.append(outdir / "fidelity_kl.png")
+    fig.savefig(files[-1], dpi=110)
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    allrows = res["rows"]
+    for m in dict.fromkeys(r["method"] for r in allrows):
+        rr = [r for r in allrows if r["method"] == m and r["bytes"]]
+        ax.plot([r["context"] for r in rr], [r["bytes"] / 2**20 for r in rr], "o-", label=m)
+    ctx = sorted({r["context"] for r in allrows})
+    ax.plot(ctx, [allrows[0]["fp16_bytes"] * c / allrows[0]["context"] / 2**20 for c in ctx], "k--", label="fp16 KVCache")
+    ax.set(xlabel="context (tokens)", ylabel="KV cache MiB (measured)", title="memory vs context")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    files.append(outdir / "memory_vs_context.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close("all")
+    return files

@@ -1,0 +1,221 @@
+"""What every experiment shares: text and tokens, chunked runs, metadata,
+progress, and writing the json / markdown / plots of a run."""
+
+import contextlib
+import glob
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total, label):
+        self.total, self.label, self.n, self.t0 = total, label, 0, time.time()
+
+    def step(self, k=1):
+        self.n += k
+        w = 24
+        f = int(w * self.n / max(self.total, 1))
+        dt = time.time() - self.t0
+        eta = dt / self.n * (self.total - self.n) if self.n else 0
+        sys.stderr.write(f"\r{self.label:<14} [{'#' * f}{'.' * (w - f)}] {self.n}/{self.total} {dt:5.0f}s eta {eta:4.0f}s")
+        if self.n >= self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def load_text(source):
+    """"topics" (CPython's pydoc_data/topics.py), "licenses" (/usr/share/common-licenses, Debian) or a file."""
+    if source == "topics":
+        import pydoc_data.topics
+        return Path(pydoc_data.topics.__file__).read_text()
+    if source == "licenses":
+        files = sorted({os.path.realpath(p) for p in glob.glob("/usr/share/common-licenses/*") if os.path.isfile(p)})
+        if not files:
+            raise ValueError("text 'licenses' reads /usr/share/common-licenses, which is not on this system; "
+                             "use --text topics or a file")
+        return "\n\n".join(Path(p).read_text(errors="replace") for p in files)
+    return Path(source).read_text()
+
+
+def tokens(tokenizer, source, n):
+    """The first n token ids of the text."""
+    text = load_text(source)
+    # Encode only a prefix (tokenizers warn on very long inputs); grow if short.
+    chars = 8 * n
+    while True:
+        ids = tokenizer.encode(text[:chars])
+        if len(ids) > n or chars >= len(text):
+            break
+        chars *= 2
+    if len(ids) < n:
+        raise ValueError(f"text {source!r} has only {len(ids)} tokens; need {n}")
+    return ids[:n]
+
+
+def run_chunks(model, ids, caches, chunk, on_chunk=None, label=""):
+    """Prefill ids [L] in chunks; on_chunk(start, logits [n, V]) per chunk."""
+    bar = Progress(math.ceil(len(ids) / chunk), label)
+    x = mx.array(ids)[None]
+    for s in range(0, len(ids), chunk):
+        logits = model(x[:, s : s + chunk], cache=caches)
+        if on_chunk is not None:
+            on_chunk(s, logits[0])
+        else:
+            mx.eval(logits)
+        bar.step()
+
+
+def log_softmax(x):
+    x = x.astype(mx.float32)
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def metadata(model_name, command=None):
+    """Model, command, versions, machine and date of a run."""
+    import mlx_lm
+
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        rev = None
+    mem = None
+    with contextlib.suppress(OSError, ValueError):
+        mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    blas = None
+    with contextlib.suppress(OSError):
+        blas = "openblas" in Path("/proc/self/maps").read_text()
+    return {
+        "model": model_name,
+        "command": command,
+        "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "numpy": np.__version__,
+                     "python": platform.python_version(), "kvarn_mlx_git": rev},
+        "machine": {"system": platform.platform(), "processor": platform.machine(), "cpus": os.cpu_count(),
+                    "memory_gib": mem, "device": str(mx.default_device())},
+        "openblas_preloaded": blas,
+        "ld_preload": os.environ.get("LD_PRELOAD"),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def meta_markdown(meta):
+    v, m = meta["versions"], meta["machine"]
+    return (f"Model: {meta['model']}  \nCommand: `{meta['command']}`  \n"
+            f"mlx {v['mlx']}, mlx-lm {v['mlx_lm']}, numpy {v['numpy']}, python {v['python']}, "
+            f"kvarn_mlx {v['kvarn_mlx_git']}  \nMachine: {m['system']}, {m['cpus']} cpus, "
+            f"{m['memory_gib']} GiB, {m['device']}; OpenBLAS preloaded: "
+            f"{meta['openblas_preloaded']}  \nDate: {meta['date']}\n")
+
+
+def pyplot():
+    """matplotlib.pyplot with the Agg backend, or None (one line on stderr) if not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        print("matplotlib not installed: no plots (pip install matplotlib)", file=sys.stderr)
+        return None
+
+
+def jsonable(x):
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
+
+
+def write_results(out, stem, tag, meta, result, markdown, draw):
+    """Write <stem><tag>.md and .json into out, with the plots draw(folder) makes.
+
+    Plots are drawn in a scratch folder and moved with the tag, so a tagged run
+    never touches an untagged run's files."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"_{tag}" if tag else ""
+    scratch = Path(tempfile.mkdtemp(prefix=".plots.", dir=out))
+    try:
+        plots = []
+        for f in draw(scratch):
+            g = out / (f.stem + tag + f.suffix)
+            f.replace(g)
+            plots.append(g.name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    markdown += "\n" + "\n".join(f"![{g}]({g})" for g in plots) + "\n"
+    (out / f"{stem}{tag}.md").write_text(markdown)
+    (out / f"{stem}{tag}.json").write_text(json.dumps(jsonable({"meta": meta, "result": result, "plots": plots}), indent=1))
+    print(markdown)
+    print(f"wrote {out / (stem + tag)}.md, .json and {len(plots)} plot(s)", file=sys.stderr)
+
+
+# -- attention -----------------------------------------------------------------
+
+ATTENTION_MODES = ("dequant", "packed")
+
+
+class _Route:
+    mode = "dequant"
+    observer = None
+
+
+def _eval_sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from .. import attention as kv_attention
+
+    if _Route.mode == "packed":
+        out = kv_attention.scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=sinks, **kwargs)
+    else:
+        if isinstance(cache, QuantizedKVCache):
+            keys = mx.dequantize(*keys, group_size=cache.group_size, bits=cache.bits)
+            values = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits)
+        out = mx.fast.scaled_dot_product_attention(queries, keys.astype(queries.dtype), values.astype(queries.dtype),
+                                                   scale=scale, mask=mask, sinks=sinks)
+    if _Route.observer is not None:
+        _Route.observer(queries, keys, values, cache, out)
+    return out
+
+
+@contextlib.contextmanager
+def attention(mode="dequant", observer=None):
+    """Run the model's attention over quantized caches in `mode`: "packed" (the
+    product's path) or "dequant" (mx.fast.scaled_dot_product_attention over the
+    dequantized K/V: the same numbers up to float rounding, much faster on CPU).
+    observer(queries, keys, values, cache, output) sees every attention call."""
+    from .. import attention as kv_attention
+
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"attention mode {mode!r}: use one of {ATTENTION_MODES}")
+    kv_attention.patch()
+    held = [(m, m.scaled_dot_product_attention) for n, m in list(sys.modules.items())
+            if n.startswith("mlx_lm.models") and getattr(m, "scaled_dot_product_attention", None)
+            in (kv_attention.scaled_dot_product_attention, kv_attention._original)]
+    _Route.mode, _Route.observer = mode, observer
+    for m, _ in held:
+        m.scaled_dot_product_attention = _eval_sdpa
+    try:
+        yield
+    finally:
+        for m, f in held:
+            m.scaled_dot_product_attention = f
+        _Route.observer = None
