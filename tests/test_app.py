@@ -26,18 +26,13 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 MAX_TOKENS = int(os.environ.get("KVARN_APP_TEST_MAX_TOKENS", "12"))  # the server's default reply length
-LICENSE = Path("/usr/share/common-licenses/Apache-2.0")
 
 
 def long_text(words):
-    """Real prose: several hundred tokens so whole tiles get quantized."""
-    if LICENSE.exists():
-        text = LICENSE.read_text()
-    else:
-        import pydoc_data.topics
+    """Real prose (Python's own reference text): several hundred tokens so whole tiles get quantized."""
+    import pydoc_data.topics
 
-        text = pydoc_data.topics.topics["assert"]
-    return " ".join(text.split()[:words])
+    return " ".join(" ".join(pydoc_data.topics.topics.values()).split()[:words])
 
 
 # -- engine (in-process, the session model) ---------------------------------
@@ -296,50 +291,6 @@ def test_two_clients_are_served_in_order(server):
     assert queued and queued[0] < tokens[0]
 
 
-def health_after_cancel(server, kind):
-    """The abandoned reply's length, once the engine reports it (it stops within a few tokens)."""
-    import httpx
-
-    for _ in range(100):
-        h = httpx.get(server + "/api/health", timeout=5).json()
-        if h["queued"] == 0 and h["last_reply"] and h["last_reply"]["finish_reason"] == "cancelled":
-            return h["last_reply"]["completion_tokens"]
-        time.sleep(0.2)
-    pytest.fail(f"{kind}: the abandoned reply was not cancelled: {h}")
-
-
-def test_client_disconnect_frees_the_engine(server):
-    import httpx
-
-    cancelled = []
-
-    # Streaming: read two tokens of a long reply, then hang up.
-    body = {"messages": user("Write a very long story about the sea."), "max_tokens": 2000, "stream": True}
-    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=120) as r:
-        n = 0
-        for line in r.iter_lines():
-            n += '"delta": {"content"' in line
-            if n == 2:
-                break
-    cancelled.append(health_after_cancel(server, "stream"))
-    assert cancelled[-1] <= 2 + 4  # the two read, plus the few in flight while the hang-up is noticed
-    t = time.monotonic()
-    ok_request(server)
-    assert time.monotonic() - t < 30  # not the ~2000 tokens of the abandoned reply
-    # Non-streaming: the client times out and leaves while the reply is being generated.
-    with pytest.raises(httpx.TimeoutException):
-        post(server + "/v1/chat/completions", {"messages": user("Write a long poem."), "max_tokens": 2000},
-             timeout=3)
-    t = time.monotonic()
-    cancelled.append(health_after_cancel(server, "non-stream"))
-    assert time.monotonic() - t < 3  # the server polls for the hang-up every POLL (0.5 s) seconds
-    t = time.monotonic()
-    ok_request(server)
-    assert time.monotonic() - t < 30
-    print("tokens generated after/at cancel:", cancelled)
-    assert httpx.get(server + "/api/health", timeout=5).json()["queued"] == 0
-
-
 def test_page_save_and_resume_api(server):
     import httpx
 
@@ -406,8 +357,8 @@ def _drive_page(p, server):
             return float(page.inner_text("#ratio").rstrip("×"))
 
         # A long first message (~900 tokens): whole tiles get quantized, so the ratio is real.
-        ratio1 = say("Here is a license text:\n\n" + long_text(700) + "\n\nWhat is this document about?", 1)
-        ratio2 = say("Thanks. Who is the *Licensor*?", 2)
+        ratio1 = say("Here is a text:\n\n" + long_text(700) + "\n\nWhat is this document about?", 1)
+        ratio2 = say("Thanks. What is the *assert* statement for?", 2)
         assert ratio1 > 1 and ratio2 > 1, (ratio1, ratio2)
         assert "per layer" in page.inner_text("#tiles") and not page.inner_text("#tiles").startswith("0 ")
         assert len(page.query_selector_all("#chart polyline")) == 2

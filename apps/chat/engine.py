@@ -22,19 +22,12 @@ from kvarn_mlx.config import DEFAULT_PRESET, FP16, PRESETS
 from kvarn_mlx.generate import kv_stats
 from kvarn_mlx.loader import DEFAULT_NAME, load
 
-ROLES = ("system", "user", "assistant")
+from .errors import ChatError
+from .validate import check_messages
+
 PRESET_NAMES = (*PRESETS, FP16)
 STATS_EVERY = 8  # tokens between live stats events while decoding
 HISTORY_MAX = 400  # chart points kept per conversation
-
-
-class ChatError(ValueError):
-    """A request the engine refuses, with a message for the user.
-    code follows OpenAI's error codes where one fits."""
-
-    def __init__(self, message, code="invalid_request_error", status=400):
-        super().__init__(message)
-        self.code, self.status = code, status
 
 
 def model_id(spec):
@@ -42,45 +35,28 @@ def model_id(spec):
     return DEFAULT_NAME if spec is None else str(spec).rstrip("/")
 
 
-def text_of(content):
-    """OpenAI message content (a string or a list of parts) as plain text."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
-                parts.append(p["text"])
-            else:
-                raise ChatError("only text message parts are supported")
-        return "".join(parts)
-    raise ChatError("message content must be a string or a list of text parts")
-
-
-def check_messages(messages):
-    """Validated [{role, content}] or ChatError. The last message must be a
-    non-empty user message (that is what gets answered)."""
-    if not isinstance(messages, list) or not messages:
-        raise ChatError("'messages' must be a non-empty list")
-    out = []
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ChatError(f"each message needs a role in {', '.join(ROLES)}")
-        out.append({"role": m["role"], "content": text_of(m.get("content"))})
-    if out[-1]["role"] != "user":
-        raise ChatError("the last message must be from the user")
-    if not out[-1]["content"].strip():
-        raise ChatError("empty message: type something to send")
-    return out
-
-
 def check_preset(preset):
     if preset not in PRESET_NAMES:
         raise ChatError(f"unknown KV preset {preset!r}; valid presets: {', '.join(PRESET_NAMES)}",
-                        code="invalid_preset")
+                        code="invalid_preset", param="kv_preset")
     return preset
+
+
+def find_stop(text, stops, new_from):
+    """Where the earliest stop string starts in text, looking only at matches
+    that end in text[new_from:] (the rest was searched before); None if none."""
+    hits = []
+    for s in stops:
+        i = text.find(s, max(0, new_from - len(s) + 1))
+        if i >= 0:
+            hits.append(i)
+    return min(hits, default=None)
+
+
+def held_back(text, stops):
+    """How many trailing characters of text could begin a stop string."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
 
 
 class Engine:
@@ -149,10 +125,11 @@ class Engine:
 
     # -- a turn ----------------------------------------------------------------
 
-    def chat(self, messages, max_tokens=None, temp=None, top_p=1.0, stop=None):
+    def chat(self, messages, max_tokens=None, temp=None, top_p=1.0, stop=(), seed=None, cancel=None):
         """Answer the conversation; yields events (dicts with a "type"):
         start {reused, prefill}, token {text}, stats {...}, done {text, finish_reason, usage, stats}.
-        stop: a threading.Event; when set, generation ends after the current token."""
+        stop: strings that end the reply, as OpenAI's `stop` (not part of the text).
+        cancel: a threading.Event; when set, generation ends after the current token."""
         messages = check_messages(messages)
         ids = self.prompt_ids(messages)
         if len(ids) >= self.context:
@@ -161,13 +138,15 @@ class Engine:
                 "context; shorten the message or start a new chat", code="context_length_exceeded")
         max_tokens = self.default_max_tokens if max_tokens is None else int(max_tokens)
         if max_tokens < 1:
-            raise ChatError("max_tokens must be at least 1")
+            raise ChatError("max_tokens must be at least 1", param="max_tokens")
         max_tokens = min(max_tokens, self.context - len(ids))
         temp = self.default_temp if temp is None else float(temp)
+        if seed is not None:
+            mx.random.seed(seed)
 
         reused = self._reuse(ids)
         yield {"type": "start", "reused": reused, "prefill": len(ids) - reused, "prompt_tokens": len(ids)}
-        gen, text, finish, last = [], "", "stop", None
+        gen, text, shown, finish, eos, last = [], "", 0, "stop", False, None
         stream = stream_generate(self.model, self.tokenizer, ids[reused:], max_tokens=max_tokens,
                                  sampler=make_sampler(temp, top_p), prompt_cache=self.cache)
         start = time.perf_counter()
@@ -175,12 +154,19 @@ class Engine:
             for r in stream:
                 last = r
                 gen.append(r.token)
-                if r.text:
-                    text += r.text
-                    yield {"type": "token", "text": r.text}
+                text += r.text
+                cut = find_stop(text, stop, len(text) - len(r.text))
+                if cut is not None:
+                    text, finish = text[:cut], "stop"
+                    break
+                # Text that may be the start of a stop string waits for the next token.
+                safe = len(text) - held_back(text, stop)
+                if safe > shown:
+                    yield {"type": "token", "text": text[shown:safe]}
+                    shown = safe
                 if r.finish_reason:
-                    finish = r.finish_reason
-                if stop is not None and stop.is_set():
+                    finish, eos = r.finish_reason, r.finish_reason == "stop"
+                if cancel is not None and cancel.is_set():
                     finish = "cancelled"
                     break
                 if len(gen) % STATS_EVERY == 0:
@@ -189,11 +175,13 @@ class Engine:
         finally:
             stream.close()
             self._settle(ids + gen)
+        if len(text) > shown:
+            yield {"type": "token", "text": text[shown:]}
         if last is not None:
             self.last.update(tps=last.generation_tps, prompt_tps=last.prompt_tps)
         self.last.update(prefilled=len(ids) - reused, reused=reused, seconds=time.perf_counter() - start)
         self.messages = messages + [{"role": "assistant", "content": text}]
-        n_gen = len(gen) - (finish == "stop")  # the end-of-turn token is not content
+        n_gen = len(gen) - eos  # the end-of-turn token is not content
         yield {"type": "done", "text": text, "finish_reason": finish,
                "usage": {"prompt_tokens": len(ids), "completion_tokens": n_gen,
                          "total_tokens": len(ids) + n_gen},

@@ -2,6 +2,12 @@
 
 /api/* serves the page (named SSE events); /v1/* follows OpenAI's chat
 completions format so other clients work. Both queue jobs on the same Worker.
+
+Every request first passes guard.py's checks (Host, Origin, API key); a JSON
+body is read up to a size limit and checked completely (validate.py) before
+any job is queued. With an API key, the page itself (static, no conversation
+in it) is served without one: it asks the user for the key, keeps it in the
+tab's sessionStorage and sends it as a Bearer token like any other client.
 """
 
 import asyncio
@@ -14,46 +20,87 @@ from pathlib import Path
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
 from starlette.responses import FileResponse, JSONResponse
 from starlette.routing import Route
 
-from .engine import PRESET_NAMES, ChatError, check_messages, check_preset
+from .engine import PRESET_NAMES
+from .errors import ChatError
+from .guard import check_api_key, check_host, check_json_type, check_origin
+from .validate import check_chat_request, check_name, only_fields, parse_json
 from .worker import END, Worker
 
 STATIC = Path(__file__).parent / "static"
 MAX_BODY = 4 << 20  # bytes; far beyond any context this app can hold
 CHARS_PER_TOKEN_MAX = 32  # a body longer than context * this cannot fit: refuse before tokenizing
 POLL = 0.5  # seconds between queue-position updates and disconnect checks
+PUBLIC = ("/",)  # served without the API key: the static page
 _TIMEOUT = object()
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,63}")
 
 
-def error(message, status=400, code="invalid_request_error"):
+def error(message, status=400, code="invalid_request_error", param=None):
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": code, "param": None}},
-                        status_code=status)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code, "param": param}},
+                        status_code=status, headers=headers)
 
 
 def error_from(e: ChatError):
-    return error(str(e), e.status, e.code)
+    return error(str(e), e.status, e.code, e.param)
 
 
-async def read_json(request):
-    if int(request.headers.get("content-length") or 0) > MAX_BODY:
-        raise ChatError(f"request body too large (limit {MAX_BODY >> 20} MiB)", status=413)
-    body = await request.body()
-    if len(body) > MAX_BODY:
-        raise ChatError(f"request body too large (limit {MAX_BODY >> 20} MiB)", status=413)
+class Guard:
+    """ASGI middleware: refuse requests naming another Host, coming from
+    another web page's Origin, or without the API key. No CORS headers are
+    ever sent, so browsers keep other pages from reading any answer."""
+
+    def __init__(self, app, allowed_hosts=(), allowed_origins=(), api_key=None):
+        self.app, self.api_key = app, api_key
+        self.allowed_hosts = {h.strip().lower() for h in allowed_hosts}
+        self.allowed_origins = {o.strip().lower().rstrip("/") for o in allowed_origins}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = Headers(scope=scope)
+            try:
+                local = (scope.get("server") or (None,))[0]
+                check_host(headers.get("host"), local, self.allowed_hosts)
+                check_origin(headers.get("origin"), headers.get("host"), scope.get("scheme", "http"),
+                             self.allowed_origins)
+                if scope["path"] not in PUBLIC:
+                    check_api_key(headers.get("authorization"), self.api_key)
+            except ChatError as e:
+                await error_from(e)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def read_json(request, limit=MAX_BODY):
+    """The JSON body, refused (413) as soon as it passes `limit` bytes: by its
+    declared length, or while it streams in (chunked bodies have none)."""
+    check_json_type(request.headers.get("content-type"))
+    too_large = ChatError(f"request body too large (limit {limit} bytes)", code="request_too_large", status=413)
     try:
-        data = json.loads(body or b"{}")
-    except ValueError as e:
-        raise ChatError(f"malformed JSON: {e}", code="invalid_json")
-    if not isinstance(data, dict):
-        raise ChatError("the request body must be a JSON object", code="invalid_json")
-    return data
+        declared = int(request.headers.get("content-length") or 0)
+    except ValueError:
+        raise ChatError("bad Content-Length header")
+    if declared > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return parse_json(bytes(body))
 
 
-def create_app(worker: Worker, save_dir: Path):
+def create_app(worker: Worker, save_dir: Path, allowed_hosts=(), allowed_origins=(), api_key=None,
+               max_body=MAX_BODY):
+    """The app. allowed_hosts: Host names accepted besides localhost names and
+    the address a connection arrived on; allowed_origins: web origins besides
+    the page's own; api_key: the Bearer token every endpoint but the page needs."""
     save_dir = Path(save_dir)
     last_stats = {}
 
@@ -64,45 +111,37 @@ def create_app(worker: Worker, save_dir: Path):
             raise ChatError(f"the model failed to load: {worker.error}", code="server_error", status=503)
         return worker.engine
 
+    async def body(request):
+        return await read_json(request, max_body)
+
     async def check_request(data):
         """Validate a chat request before queueing it; returns the engine arguments."""
         eng = engine()
-        messages = check_messages(data.get("messages"))
-        model = data.get("model") or eng.name
-        if model not in eng.specs:
-            raise ChatError(f"unknown model {model!r}; this server has: {', '.join(eng.specs)}",
-                            code="model_not_found", status=404)
-        preset = check_preset(data.get("kv_preset") or data.get("preset") or eng.preset)
-        if data.get("n", 1) != 1:
-            raise ChatError("only n=1 is supported")
-        max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
-        for key, value in (("max_tokens", max_tokens), ("temperature", data.get("temperature")),
-                           ("top_p", data.get("top_p"))):
-            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0):
-                raise ChatError(f"{key} must be a non-negative number")
-        if max_tokens is not None and max_tokens < 1:
-            raise ChatError("max_tokens must be at least 1")
-        chars = sum(len(m["content"]) for m in messages)
+        args = check_chat_request(data, list(eng.specs), PRESET_NAMES, eng.context)
+        args["model"] = model = args["model"] or eng.name
+        args["preset"] = args["preset"] or eng.preset
+        chars = sum(len(m["content"]) for m in args["messages"])
         if chars > eng.context * CHARS_PER_TOKEN_MAX:
             raise ChatError(f"the conversation is {chars} characters, far beyond {model}'s "
                             f"{eng.context}-token context; shorten the message or start a new chat",
-                            code="context_length_exceeded")
+                            code="context_length_exceeded", param="messages")
         if model == eng.name:
             # The tokenizer is plain Python/Rust (no MLX): counting here gives a
             # proper HTTP 400 instead of an error in the middle of a stream.
-            n = await run_in_threadpool(eng.count_tokens, messages)
+            n = await run_in_threadpool(eng.count_tokens, args["messages"])
             if n >= eng.context:
                 raise ChatError(f"the conversation is {n} tokens but {model} has a {eng.context}-token "
                                 "context; shorten the message or start a new chat",
-                                code="context_length_exceeded")
-        return dict(messages=messages, model=model, preset=preset, max_tokens=max_tokens,
-                    temp=data.get("temperature"), top_p=data.get("top_p") if data.get("top_p") is not None else 1.0)
+                                code="context_length_exceeded", param="messages")
+        return args
 
     def submit_chat(args):
         def fn(job):
             eng = worker.engine
             eng.use(args["model"], args["preset"])
-            return eng.chat(args["messages"], args["max_tokens"], args["temp"], args["top_p"], stop=job.cancel)
+            return eng.chat(args["messages"], args["max_tokens"], args["temp"],
+                            1.0 if args["top_p"] is None else args["top_p"], stop=args["stop"], seed=args["seed"],
+                            cancel=job.cancel)
         return worker.submit(fn)
 
     async def events(job, request=None):
@@ -144,7 +183,7 @@ def create_app(worker: Worker, save_dir: Path):
         result = None
         async for ev in events(job):
             if ev["type"] == "error":
-                raise ChatError(ev["message"], ev["code"], ev["status"])
+                raise ChatError(ev["message"], ev["code"], ev["status"], ev.get("param"))
             if ev["type"] == "result":
                 result = ev["value"]
         return result
@@ -157,7 +196,7 @@ def create_app(worker: Worker, save_dir: Path):
     async def health(request):
         return JSONResponse({"ready": worker.ready.is_set() and worker.engine is not None,
                              "loading": not worker.ready.is_set(), "error": worker.error,
-                             "queued": worker.busy(), "last_reply": worker.last_reply})
+                             "queued": worker.busy()})
 
     async def info(request):
         try:
@@ -173,7 +212,7 @@ def create_app(worker: Worker, save_dir: Path):
 
     async def api_chat(request):
         try:
-            args = await check_request(await read_json(request))
+            args = await check_request(await body(request))
         except ChatError as e:
             return error_from(e)
         job = submit_chat(args)
@@ -186,10 +225,9 @@ def create_app(worker: Worker, save_dir: Path):
 
     async def api_new(request):
         try:
-            data = await read_json(request)
-            model, preset = data.get("model"), data.get("preset")
-            if preset is not None:
-                check_preset(preset)
+            data = only_fields(await body(request), ("model", "preset"))
+            model = check_name(data, "model", list(engine().specs))
+            preset = check_name(data, "preset", PRESET_NAMES)
 
             def fn(eng):
                 eng.use(model, preset)
@@ -203,14 +241,15 @@ def create_app(worker: Worker, save_dir: Path):
         last_stats.update(s)
         return JSONResponse(s)
 
-    def chat_file(name):
+    def chat_file(data):
+        name = only_fields(data, ("name",)).get("name")
         if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name.removesuffix(".safetensors")):
-            raise ChatError("a chat name is 1-64 letters, digits, '.', '_' or '-'")
+            raise ChatError("a chat name is 1-64 letters, digits, '.', '_' or '-'", param="name")
         return save_dir / (name.removesuffix(".safetensors") + ".safetensors")
 
     async def api_save(request):
         try:
-            path = chat_file((await read_json(request)).get("name"))
+            path = chat_file(await body(request))
             await run_simple(lambda eng: str(eng.save(path)))
         except ChatError as e:
             return error_from(e)
@@ -218,7 +257,7 @@ def create_app(worker: Worker, save_dir: Path):
 
     async def api_load(request):
         try:
-            path = chat_file((await read_json(request)).get("name"))
+            path = chat_file(await body(request))
 
             def fn(eng):
                 messages = eng.load(path)
@@ -247,8 +286,7 @@ def create_app(worker: Worker, save_dir: Path):
 
     async def v1_chat(request):
         try:
-            data = await read_json(request)
-            args = await check_request(data)
+            args = await check_request(await body(request))
         except ChatError as e:
             return error_from(e)
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), args["model"]
@@ -258,11 +296,11 @@ def create_app(worker: Worker, save_dir: Path):
             return json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
 
-        if not data.get("stream"):
+        if not args["stream"]:
             text, done = "", None
             async for ev in events(job, request):
                 if ev["type"] == "error":
-                    return error(ev["message"], ev["status"], ev["code"])
+                    return error(ev["message"], ev["status"], ev["code"], ev.get("param"))
                 if ev["type"] == "done":
                     text, done = ev["text"], ev
             if done is None:  # the client left
@@ -272,8 +310,6 @@ def create_app(worker: Worker, save_dir: Path):
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "finish_reason": _finish(done["finish_reason"])}],
                 "usage": done["usage"], "kvarn": _public(done["stats"])})
-
-        include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
 
         async def stream():
             async for ev in events(job):
@@ -287,11 +323,11 @@ def create_app(worker: Worker, save_dir: Path):
                 elif kind == "error":
                     yield ServerSentEvent(json.dumps({"error": {"message": ev["message"], "type": "server_error"
                                                                 if ev["status"] >= 500 else "invalid_request_error",
-                                                                "code": ev["code"], "param": None}}))
+                                                                "code": ev["code"], "param": ev.get("param")}}))
                     return
                 elif kind == "done":
                     yield ServerSentEvent(chunk({}, _finish(ev["finish_reason"])))
-                    if include_usage:
+                    if args["include_usage"]:
                         yield ServerSentEvent(json.dumps({"id": cid, "object": "chat.completion.chunk",
                                                           "created": created, "model": model, "choices": [],
                                                           "usage": ev["usage"]}))
@@ -312,7 +348,8 @@ def create_app(worker: Worker, save_dir: Path):
         Route("/v1/models", v1_models),
         Route("/v1/chat/completions", v1_chat, methods=["POST"]),
     ]
-    return Starlette(routes=routes)
+    guard = Middleware(Guard, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, api_key=api_key)
+    return Starlette(routes=routes, middleware=[guard])
 
 
 def _finish(reason):

@@ -37,7 +37,6 @@ class Worker:
         self.engine = None
         self.error = None  # why the engine failed to start, if it did
         self.initial_stats = {}
-        self.last_reply = None
         self.ready = threading.Event()
         self._jobs = deque()
         self._cv = threading.Condition()
@@ -103,13 +102,10 @@ class Worker:
             if hasattr(out, "__next__"):
                 for ev in out:
                     job.emit(ev)
-                    if ev.get("type") == "done":  # for /api/health: did a cancelled reply stop promptly?
-                        self.last_reply = {"finish_reason": ev["finish_reason"],
-                                           "completion_tokens": ev["usage"]["completion_tokens"]}
             else:
                 job.emit({"type": "result", "value": out})
         except ChatError as e:
-            job.emit({"type": "error", "message": str(e), "code": e.code, "status": e.status})
+            job.emit({"type": "error", "message": str(e), "code": e.code, "status": e.status, "param": e.param})
         except Exception as e:  # keep serving: report, log, carry on
             log.error("job failed:\n%s", traceback.format_exc())
             job.emit({"type": "error", "message": f"internal error: {type(e).__name__}: {e}",
