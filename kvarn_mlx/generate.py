@@ -2,22 +2,32 @@
 
 Flags mirror mlx_lm.generate; --kv-preset picks the cache (fp16 = mlx-lm's
 plain cache), --compare runs the same prompt with the plain cache as well.
+Ctrl-C stops the answer at the next token: the text so far, the stats and the
+prompt cache (if asked for) are kept, and the exit code is 130.
 """
 
 import argparse
-import os
+import math
+import signal
 import sys
+import threading
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
-from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from . import prompt_cache
 from .cache import KVarNCache, make_cache
 from .config import DEFAULT_PRESET, FP16, PRESETS
+from .prompt_cache import PromptCacheError
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
+INTERRUPTED = 130  # the shell's exit code for a process stopped by Ctrl-C
+
+
+class UsageError(ValueError):
+    """Bad input; the message names the problem and the fix."""
 
 
 def setup_arg_parser():
@@ -36,11 +46,53 @@ def setup_arg_parser():
     p.add_argument("--kv-sink", type=int, default=None, help="Leading tokens kept in full precision (default: one tile)")
     p.add_argument("--compare", action="store_true", help="Also run the prompt with the plain fp16 cache and compare")
     p.add_argument("--prompt-cache-file", default=None,
-                   help="Reuse the cache saved in this file; if it does not exist, save the cache there afterwards")
+                   help="Reuse the cache saved in this file; if it does not exist, save the cache there "
+                        "afterwards ('.safetensors' is added when missing, as mlx-lm does)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="Prompt tokens per prefill step")
+    p.add_argument("--allow-beyond-context", action="store_true",
+                   help="Keep generating past the model's context length (max_position_embeddings)")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                    help="Stream text and print the stats block (default true)")
     return p
+
+
+def check_args(args):
+    """Raise UsageError for the first flag that cannot work (before any model is loaded)."""
+    if args.kv_preset not in PRESETS and args.kv_preset != FP16:
+        raise UsageError(f"unknown --kv-preset {args.kv_preset!r}; valid: {', '.join([*PRESETS, FP16])}")
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens {args.max_tokens}: generate at least 1 token")
+    if args.prefill_step_size < 1:
+        raise UsageError(f"--prefill-step-size {args.prefill_step_size}: process at least 1 prompt token per step")
+    if args.kv_sink is not None and args.kv_sink < 0:
+        raise UsageError(f"--kv-sink {args.kv_sink}: the number of leading tokens kept in full precision "
+                         "is 0 or more")
+    if args.seed is not None and not 0 <= args.seed < 2**64:
+        raise UsageError(f"--seed {args.seed}: use an integer from 0 to 2**64 - 1")
+    if not (math.isfinite(args.temp) and args.temp >= 0):
+        raise UsageError(f"--temp {args.temp}: use a finite temperature >= 0 (0 is greedy)")
+    if not 0 <= args.top_p <= 1:  # NaN fails too
+        raise UsageError(f"--top-p {args.top_p}: use a number from 0 to 1 (1 keeps every token)")
+
+
+def read_prompt(args):
+    if args.prompt != "-":
+        prompt = args.prompt.replace("\\n", "\n")
+    else:
+        raw = getattr(sys.stdin, "buffer", None)
+        if raw is None:  # a text stream without bytes underneath
+            prompt = sys.stdin.read()
+        else:
+            data = raw.read()
+            try:
+                prompt = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UsageError(f"stdin is not valid UTF-8 (byte {e.start} is 0x{data[e.start]:02x}); "
+                                 "convert it first, e.g. with `iconv -f latin1 -t utf-8`") from None
+    if args.ignore_chat_template and not prompt.strip():
+        raise UsageError("empty prompt: with --ignore-chat-template the model needs some text to continue; "
+                         "pass --prompt TEXT")
+    return prompt
 
 
 def build_prompt(tokenizer, prompt, system_prompt=None, ignore_chat_template=False):
@@ -52,15 +104,99 @@ def build_prompt(tokenizer, prompt, system_prompt=None, ignore_chat_template=Fal
     return tokenizer.encode(prompt)
 
 
-def fp16_nbytes(c):
-    """Bytes the tokens in cache layer c take as unpadded 2-byte keys and values."""
-    if isinstance(c, KVarNCache):
-        return c.fp16_nbytes()
-    keys = getattr(c, "keys", None)
-    if isinstance(keys, mx.array) and hasattr(c, "offset"):
-        B, H, _, D = keys.shape
-        return B * H * min(c.offset, keys.shape[2]) * (D + c.values.shape[-1]) * 2
-    return c.nbytes
+def load_model(spec):
+    from .loader import ModelLoadError, load
+
+    try:
+        return load(spec)
+    except ModelLoadError as e:
+        raise UsageError(str(e)) from None
+    except (RuntimeError, OSError, ValueError) as e:  # mlx on damaged weights files
+        raise UsageError(f"cannot load the model {spec or 'embedded default'}: {e}. The weights file may be "
+                         "incomplete or corrupt; download or convert it again") from None
+
+
+def context_limit(model, args, held, n_prompt):
+    """max_tokens within the model's context, warning on stderr when the run would go beyond it."""
+    limit = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    if not limit:
+        return args.max_tokens
+    what = f"{n_prompt}-token prompt" + (f" (after {held} cached tokens)" if held else "")
+    if held + n_prompt >= limit:
+        msg = f"the {what} is longer than the model's {limit}-token context"
+        if not args.allow_beyond_context:
+            raise UsageError(f"{msg}; shorten it, or pass --allow-beyond-context to run anyway")
+        print(f"warning: {msg}; --allow-beyond-context: the output may be meaningless", file=sys.stderr)
+        return args.max_tokens
+    if held + n_prompt + args.max_tokens > limit:
+        msg = f"the {what} + --max-tokens {args.max_tokens} go beyond the model's {limit}-token context"
+        if args.allow_beyond_context:
+            print(f"warning: {msg}; --allow-beyond-context: generating past it", file=sys.stderr)
+            return args.max_tokens
+        room = limit - held - n_prompt
+        print(f"warning: {msg}; stopping after {room} tokens (--allow-beyond-context goes on)", file=sys.stderr)
+        return room
+    return args.max_tokens
+
+
+class CtrlC:
+    """While active, Ctrl-C asks the generation to stop at the next token instead of
+    raising KeyboardInterrupt inside MLX; a second Ctrl-C raises it at once."""
+
+    def __init__(self):
+        self.pressed = False
+
+    def __enter__(self):
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, *_):
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+class _StopPrefill(Exception):
+    pass
+
+
+def run(model, tokenizer, prompt_ids, cache, args, max_tokens=None, ctrl_c=None, out=None):
+    """Stream one generation into `out` (stdout) when verbose; returns (text, last response).
+    Stops early when ctrl_c.pressed (last is None if that was before the first token)."""
+    out = out or sys.stdout
+    sampler = make_sampler(args.temp, args.top_p)
+
+    def progress(done, total):
+        if ctrl_c is not None and ctrl_c.pressed and done < total:
+            raise _StopPrefill
+        if total > args.prefill_step_size:
+            print(f"\rprefill {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+    text, last = "", None
+    stream = stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens or args.max_tokens, sampler=sampler,
+                             prompt_cache=cache, prefill_step_size=args.prefill_step_size,
+                             prompt_progress_callback=progress)
+    try:
+        for r in stream:
+            text += r.text
+            last = r
+            if args.verbose:
+                print(r.text, end="", flush=True, file=out)
+            if ctrl_c is not None and ctrl_c.pressed:
+                break
+    except _StopPrefill:
+        pass
+    finally:
+        stream.close()
+    if args.verbose:
+        print(file=out)
+    return text, last
 
 
 def kv_stats(cache):
@@ -74,26 +210,15 @@ def kv_stats(cache):
             "kvarn_layers": len(kvarn), "layers": len(cache)}
 
 
-def run(model, tokenizer, prompt_ids, cache, args, out=None):
-    """Stream one generation into `out` (stdout) when verbose; returns (text, last response)."""
-    out = out or sys.stdout
-    sampler = make_sampler(args.temp, args.top_p)
-
-    def progress(done, total):
-        if total > args.prefill_step_size:
-            print(f"\rprefill {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr, flush=True)
-
-    text, last = "", None
-    for r in stream_generate(model, tokenizer, prompt_ids, max_tokens=args.max_tokens, sampler=sampler,
-                             prompt_cache=cache, prefill_step_size=args.prefill_step_size,
-                             prompt_progress_callback=progress):
-        text += r.text
-        last = r
-        if args.verbose:
-            print(r.text, end="", flush=True, file=out)
-    if args.verbose:
-        print(file=out)
-    return text, last
+def fp16_nbytes(c):
+    """Bytes the tokens in cache layer c take as unpadded 2-byte keys and values."""
+    if isinstance(c, KVarNCache):
+        return c.fp16_nbytes()
+    keys = getattr(c, "keys", None)
+    if isinstance(keys, mx.array) and hasattr(c, "offset"):
+        B, H, _, D = keys.shape
+        return B * H * min(c.offset, keys.shape[2]) * (D + c.values.shape[-1]) * 2
+    return c.nbytes
 
 
 def print_stats(name, last, cache, out=None):
@@ -120,49 +245,74 @@ def print_stats(name, last, cache, out=None):
     return s
 
 
+def _one_line(e):
+    return " ".join(str(e).splitlines())
+
+
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
-    if args.kv_preset not in PRESETS and args.kv_preset != FP16:
-        sys.exit(f"error: unknown --kv-preset {args.kv_preset!r}; valid: {', '.join([*PRESETS, FP16])}")
+    try:
+        return generate(args)
+    except (UsageError, PromptCacheError) as e:
+        sys.exit(f"error: {_one_line(e)}")
+    except KeyboardInterrupt:  # outside the generation (e.g. while loading the model)
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED)
+
+
+def generate(args):
+    check_args(args)
+    prompt = read_prompt(args)
+    cache_file = reuse = None
+    if args.prompt_cache_file:
+        cache_file = prompt_cache.cache_path(args.prompt_cache_file)
+        reuse = cache_file.exists()
+        # Both checks read no model: a bad file or folder fails before the work starts.
+        if reuse:
+            prompt_cache.check_file(cache_file)
+        else:
+            prompt_cache.check_writable(cache_file)
     if args.seed is not None:
         mx.random.seed(args.seed)
 
-    from .loader import ModelLoadError, load
-
-    try:
-        model, tokenizer = load(args.model)
-    except ModelLoadError as e:
-        sys.exit(f"error: {e}")
-
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n")
+    model, tokenizer = load_model(args.model)
     prompt_ids = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
-
-    cache_file = args.prompt_cache_file
-    if cache_file and os.path.exists(cache_file):
-        try:
-            cache = load_prompt_cache(cache_file)
-        except Exception as e:  # mlx raises plain RuntimeError/ValueError on damaged files
-            sys.exit(f"error: cannot load prompt cache {cache_file!r} ({e}); delete it or pass another file")
-        if len(cache) != len(make_prompt_cache(model)):
-            sys.exit(f"error: prompt cache {cache_file!r} was made for a model with {len(cache)} layers")
+    if len(prompt_ids) == 0:
+        raise UsageError("the prompt has no tokens; pass some text with --prompt")
+    identity = prompt_cache.model_identity(args.model, model, tokenizer) if cache_file else None
+    if reuse:
+        cache, _ = prompt_cache.load(cache_file, identity)
+        name = f"loaded from {cache_file.name}"
     else:
         cache = make_cache(model, args.kv_preset, sink=args.kv_sink)
+        name = args.kv_preset
+    held = getattr(cache[0], "offset", 0) if cache else 0
+    max_tokens = context_limit(model, args, held, len(prompt_ids))
 
-    name = "loaded from file" if cache_file and os.path.exists(cache_file) else args.kv_preset
-    text, last = run(model, tokenizer, prompt_ids, cache, args)
+    with CtrlC() as ctrl_c:
+        text, last = run(model, tokenizer, prompt_ids, cache, args, max_tokens, ctrl_c)
+    if ctrl_c.pressed:
+        print("interrupted: stopped the generation", file=sys.stderr)
     if args.verbose:
         print_stats(name, last, cache)
     else:  # as mlx_lm.generate: just the text
         print(text)
-    if cache_file and not os.path.exists(cache_file):
-        save_prompt_cache(cache_file, cache, {"model": args.model or "embedded:SmolLM2-135M-Instruct"})
-        print(f"Saved the prompt cache to {cache_file}", file=sys.stderr)
+    if cache_file and not reuse:
+        if last is None:  # stopped inside the prompt: the cache holds part of it
+            print(f"not saving the prompt cache to {cache_file}: the prompt was not fully processed",
+                  file=sys.stderr)
+        else:
+            prompt_cache.save(cache_file, cache, identity)
+            print(f"Saved the prompt cache to {cache_file}", file=sys.stderr)
+    if ctrl_c.pressed:
+        sys.exit(INTERRUPTED)
 
     if args.compare:
         mx.reset_peak_memory()
         print("\n--- same prompt, plain fp16 KV cache ---")
         ref_cache = make_cache(model, FP16)
-        ref_text, ref_last = run(model, tokenizer, prompt_ids, ref_cache, args)
+        with CtrlC() as ctrl_c:
+            ref_text, ref_last = run(model, tokenizer, prompt_ids, ref_cache, args, max_tokens, ctrl_c)
         if not args.verbose:
             print(ref_text)
         print_stats(FP16, ref_last, ref_cache)
@@ -172,6 +322,8 @@ def main(argv=None):
             print(f"Measured: plain cache holds {ref_held / 2**20:.2f} MiB, KVarN {held / 2**20:.2f} MiB "
                   f"({ref_held / held:.2f}x less); generation speed ratio KVarN/plain "
                   f"{last.generation_tps / ref_last.generation_tps:.2f}")
+        if ctrl_c.pressed:
+            sys.exit(INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -219,9 +219,9 @@ def save(path, cache, model_info, metadata=None, overwrite=False):
     return path
 
 
-def load(path, model_info):
-    """(cache, metadata) from the file `path` names, for the model model_info describes.
-    Refuses files of another format, damaged files, and caches made with another model."""
+def check_file(path):
+    """The metadata of the prompt-cache file `path` names, once it is known to be a complete
+    file of this format (no model needed: call it before loading one)."""
     path = cache_path(path)
     if not path.is_file():
         raise PromptCacheError(f"no prompt-cache file at {path}")
@@ -232,6 +232,14 @@ def load(path, model_info):
     if meta.get("format_version") != FORMAT_VERSION:
         raise PromptCacheError(f"{path} has prompt-cache format version {meta.get('format_version')!r}; "
                                f"this version reads {FORMAT_VERSION}. Build the cache again")
+    return meta
+
+
+def load(path, model_info):
+    """(cache, metadata) from the file `path` names, for the model model_info describes.
+    Refuses files of another format, damaged files, and caches made with another model."""
+    path = cache_path(path)
+    meta = check_file(path)
     if meta.get("model_hash") != model_info["model_hash"]:
         raise PromptCacheError(f"{path} was saved with model {_describe(meta)}, not with the model loaded now, "
                                f"{_describe(model_info)}; pass that model with --model, or another file")
