@@ -161,6 +161,9 @@ class CtrlC:
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
 
+    def is_set(self):  # as a threading.Event, for code that takes a cancel event
+        return self.pressed
+
 
 class _StopPrefill(Exception):
     pass

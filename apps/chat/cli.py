@@ -2,9 +2,12 @@
 
 import sys
 
+from kvarn_mlx.generate import CtrlC
+
 from .engine import ChatError, Engine
 
-HELP = "commands: /new (start over), /save FILE, /quit   (Ctrl-C stops a reply)"
+HELP = ("commands: /new (start over), /save FILE (/save! FILE replaces a file that is not a saved chat), "
+        "/quit   (Ctrl-C stops a reply)")
 
 
 def stats_line(s):
@@ -42,14 +45,15 @@ def run_cli(engine_kwargs, resume=None, inp=input, out=sys.stdout):
             messages = []
             print("(new chat)", file=out)
             continue
-        if cmd == "/save":
+        if cmd in ("/save", "/save!"):
             if not arg.strip():
                 print("usage: /save FILE", file=out)
                 continue
             try:
-                print(f"saved to {eng.save(arg.strip())}", file=out)
-            except (OSError, ChatError) as e:
-                print(f"error: {e}", file=out)
+                print(f"saved to {eng.save(arg.strip(), overwrite=cmd == '/save!')}", file=out)
+            except Exception as e:  # whatever failed, the conversation outlives it
+                fix = " (/save! FILE replaces it)" if "refusing to overwrite" in str(e) else ""
+                print(f"error: could not save: {e}{fix}", file=out)
             continue
         if cmd.startswith("/"):
             print(HELP, file=out)
@@ -58,14 +62,18 @@ def run_cli(engine_kwargs, resume=None, inp=input, out=sys.stdout):
             continue
         turn = messages + [{"role": "user", "content": line}]
         try:
-            for ev in eng.chat(turn):
-                if ev["type"] == "token":
-                    print(ev["text"], end="", file=out, flush=True)
-                elif ev["type"] == "done":
-                    messages = turn + [{"role": "assistant", "content": ev["text"]}]
-                    print("\n" + stats_line(ev["stats"]), file=out, flush=True)
+            # Ctrl-C ends the reply after the current token; the part already
+            # written stays in the conversation.
+            with CtrlC() as ctrl_c:
+                for ev in eng.chat(turn, cancel=ctrl_c):
+                    if ev["type"] == "token":
+                        print(ev["text"], end="", file=out, flush=True)
+                    elif ev["type"] == "done":
+                        messages = turn + [{"role": "assistant", "content": ev["text"]}]
+                        stopped = "\n(stopped)" if ev["finish_reason"] == "cancelled" else ""
+                        print(stopped + "\n" + stats_line(ev["stats"]), file=out, flush=True)
         except ChatError as e:
             print(f"error: {e}", file=out)
         except KeyboardInterrupt:
-            # The cache may hold part of a reply; the next turn trims it away.
+            # A second Ctrl-C: the engine keeps its cache consistent; this turn is dropped.
             print("\n(stopped)", file=out)
