@@ -104,16 +104,23 @@ def build_prompt(tokenizer, prompt, system_prompt=None, ignore_chat_template=Fal
     return tokenizer.encode(prompt)
 
 
+def load_error(spec, e):
+    """One line for a model that failed to load (the loader's own message, or mlx's on damaged files)."""
+    from .loader import ModelLoadError
+
+    if isinstance(e, ModelLoadError):
+        return str(e)
+    return (f"cannot load the model {spec or 'embedded default'}: {e}. The weights file may be incomplete "
+            "or corrupt; download or convert it again")
+
+
 def load_model(spec):
     from .loader import ModelLoadError, load
 
     try:
         return load(spec)
-    except ModelLoadError as e:
-        raise UsageError(str(e)) from None
-    except (RuntimeError, OSError, ValueError) as e:  # mlx on damaged weights files
-        raise UsageError(f"cannot load the model {spec or 'embedded default'}: {e}. The weights file may be "
-                         "incomplete or corrupt; download or convert it again") from None
+    except (ModelLoadError, RuntimeError, OSError, ValueError) as e:
+        raise UsageError(load_error(spec, e)) from None
 
 
 def context_limit(model, args, held, n_prompt):

@@ -137,3 +137,31 @@ def test_ctrl_c_in_a_terminal_session(tiny, tmp_path):
     assert "Traceback" not in err.decode() and "(stopped)" in text and "saved to" in text
     messages = saved_messages(tmp_path / "c.safetensors")
     assert messages[0]["content"] == "Hi" and messages[1]["role"] == "assistant"
+
+
+def test_model_that_cannot_load_is_one_line(tiny, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in tiny.iterdir():
+        (bad / f.name).write_bytes(b"garbage" if f.name == "model.safetensors" else f.read_bytes())
+    out = io.StringIO()
+    assert cli.run_cli({"models": [str(bad)]}, inp=script(["Hi"]), out=out) == 1
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "loading the model..." and len(lines) == 2
+    assert lines[1].startswith("error: cannot load the model") and "download or convert it again" in lines[1]
+
+
+def test_invalid_utf8_input_line_is_reported_and_skipped(tiny):
+    lines = iter([UnicodeDecodeError("utf-8", b"caf\xe9", 3, 4, "invalid continuation byte"), "Hi"])
+
+    def inp(prompt):
+        line = next(lines, None)
+        if line is None:
+            raise EOFError
+        if isinstance(line, Exception):
+            raise line
+        return line
+
+    out = io.StringIO()
+    assert cli.run_cli({"models": [str(tiny)], "max_tokens": 3}, inp=inp, out=out) == 0
+    assert "error: that line is not valid UTF-8" in out.getvalue() and out.getvalue().count(" ctx tokens") == 1

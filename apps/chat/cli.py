@@ -2,7 +2,8 @@
 
 import sys
 
-from kvarn_mlx.generate import CtrlC
+from kvarn_mlx.generate import INTERRUPTED, CtrlC, load_error
+from kvarn_mlx.loader import ModelLoadError
 
 from .engine import ChatError, Engine
 
@@ -21,7 +22,16 @@ def stats_line(s):
 
 def run_cli(engine_kwargs, resume=None, inp=input, out=sys.stdout):
     print("loading the model...", file=out, flush=True)
-    eng = Engine(**engine_kwargs)
+    try:
+        eng = Engine(**engine_kwargs)
+    except ChatError as e:
+        print(f"error: {e}", file=out)
+        return 1
+    except (ModelLoadError, RuntimeError, OSError, ValueError) as e:
+        print(f"error: {load_error(engine_kwargs.get('models', [None])[0], e)}", file=out)
+        return 1
+    except KeyboardInterrupt:
+        return INTERRUPTED
     messages = []
     if resume:
         try:
@@ -37,6 +47,10 @@ def run_cli(engine_kwargs, resume=None, inp=input, out=sys.stdout):
         except (EOFError, KeyboardInterrupt):
             print(file=out)
             return 0
+        except UnicodeDecodeError as e:
+            print(f"error: that line is not valid UTF-8 ({e.reason} at byte {e.start}); "
+                  "set the terminal to UTF-8 and type it again", file=out)
+            continue
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "/quit":
             return 0
