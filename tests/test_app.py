@@ -104,6 +104,11 @@ def test_engine_save_and_resume(engine, smollm, tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a cache")
     with pytest.raises(ChatError, match="cannot load"):
         other.load(tmp_path / "junk.safetensors")
+    # A file of another kind under the same name is never overwritten.
+    with pytest.raises(ChatError, match="refusing to overwrite"):
+        engine.save(tmp_path / "junk")
+    assert (tmp_path / "junk.safetensors").read_bytes() == b"not a cache"
+    assert engine.save(tmp_path / "chat") == path  # its own earlier save is replaced
 
 
 def test_engine_refuses_bad_turns(engine):

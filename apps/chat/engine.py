@@ -10,13 +10,12 @@ a different conversation) and prefills only what is new.
 
 import json
 import time
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from kvarn_mlx import prompt_cache
 from kvarn_mlx.cache import make_cache
 from kvarn_mlx.config import DEFAULT_PRESET, FP16, PRESETS
 from kvarn_mlx.generate import kv_stats
@@ -66,7 +65,7 @@ class Engine:
         loaded: an already loaded (model, tokenizer) for models[0] (tests)."""
         self.specs = {model_id(s): s for s in models}
         self.default_max_tokens, self.default_temp = max_tokens, temp
-        self.model = self.tokenizer = self.name = None
+        self.model = self.tokenizer = self.name = self._identity = None
         self.preset = check_preset(preset)
         self.use(next(iter(self.specs)), preset, loaded=loaded)
 
@@ -82,7 +81,7 @@ class Engine:
         if name != self.name:
             self.model = self.tokenizer = None  # free the old weights before loading
             self.model, self.tokenizer = loaded or load(self.specs[name])
-            self.name = name
+            self.name, self._identity = name, None
             self.context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None) or 8192
             self.preset = None
         if preset != self.preset:
@@ -217,32 +216,47 @@ class Engine:
 
     # -- files -----------------------------------------------------------------
 
-    def save(self, path):
-        """Save the cache, its tokens and the conversation to a prompt-cache file."""
-        path = Path(path)
-        if path.suffix != ".safetensors":  # mlx appends it anyway; keep the name honest
-            path = path.with_name(path.name + ".safetensors")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"app": "kvarn-chat", "model": self.name, "preset": self.preset,
+    def identity(self):
+        """The loaded model's identity as prompt-cache files record it."""
+        if self._identity is None:
+            self._identity = prompt_cache.model_identity(self.specs[self.name], self.model, self.tokenizer)
+        return self._identity
+
+    def save(self, path, overwrite=False):
+        """Save the cache, its tokens and the conversation to a prompt-cache file
+        (mlx-lm's naming: ".safetensors" added when missing). A file already
+        there that is not a prompt cache is never replaced unless overwrite."""
+        meta = {"app": "kvarn-chat", "chat_model": self.name, "preset": self.preset,
                 "messages": json.dumps(self.messages), "tokens": json.dumps(self.tokens)}
         mx.eval([c.state for c in self.cache if not c.empty()])
-        save_prompt_cache(str(path), self.cache, meta)
-        return path
+        try:
+            return prompt_cache.save(path, self.cache, self.identity(), meta, overwrite=overwrite)
+        except prompt_cache.PromptCacheError as e:
+            raise ChatError(str(e), code="cannot_save", status=409)
 
     def load(self, path):
-        """Resume a conversation saved by save(); returns its messages."""
-        if not Path(path).is_file():
+        """Resume a conversation saved by save(); returns its messages. The
+        current conversation is kept if the file cannot be used."""
+        path = prompt_cache.cache_path(path)
+        if not path.is_file():
             raise ChatError(f"no saved conversation at {path}", status=404)
         try:
-            cache, meta = load_prompt_cache(str(path), return_metadata=True)
+            name = prompt_cache.read_metadata(path).get("chat_model")
+        except prompt_cache.PromptCacheError as e:
+            raise ChatError(f"cannot load {path}: {e}")
+        if name not in self.specs:
+            raise ChatError(f"cannot load {path}: it was saved with model {name!r}, which this server does not have "
+                            f"(it has {', '.join(self.specs)}); start it with --model for that model")
+        self.use(name)  # a file from another model of this server: switch to it first
+        try:
+            cache, meta = prompt_cache.load(path, self.identity())
             messages, tokens = json.loads(meta["messages"]), json.loads(meta["tokens"])
-        except Exception as e:  # mlx raises plain RuntimeError/ValueError on damaged files
-            raise ChatError(f"cannot load {path}: not a chat saved by this app ({e})")
-        if meta.get("model") not in self.specs:
-            raise ChatError(f"{path} was saved with model {meta.get('model')!r}, which this server does not have")
-        self.use(meta["model"], meta.get("preset", self.preset))
-        if len(cache) != len(self.cache) or cache[0].offset != len(tokens):
-            raise ChatError(f"{path} does not match the model's cache layout")
+        except (prompt_cache.PromptCacheError, KeyError, ValueError) as e:
+            raise ChatError(f"cannot load {path}: {e}")
+        if cache[0].offset != len(tokens):
+            raise ChatError(f"cannot load {path}: its cache holds {cache[0].offset} tokens but it lists "
+                            f"{len(tokens)}; the file is damaged")
+        self.use(name, meta.get("preset", self.preset))
         self.cache, self.tokens, self.messages = cache, tokens, messages
         self.history = []
         self._point()

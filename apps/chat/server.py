@@ -250,7 +250,15 @@ def create_app(worker: Worker, save_dir: Path, allowed_hosts=(), allowed_origins
     async def api_save(request):
         try:
             path = chat_file(await body(request))
-            await run_simple(lambda eng: str(eng.save(path)))
+
+            def fn(eng):
+                try:
+                    save_dir.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise ChatError(f"cannot create the chats folder {save_dir}: {e}", "cannot_save", 500)
+                return str(eng.save(path))
+
+            await run_simple(fn)
         except ChatError as e:
             return error_from(e)
         return JSONResponse({"name": path.stem, "file": str(path)})
@@ -349,7 +357,9 @@ def create_app(worker: Worker, save_dir: Path, allowed_hosts=(), allowed_origins
         Route("/v1/chat/completions", v1_chat, methods=["POST"]),
     ]
     guard = Middleware(Guard, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, api_key=api_key)
-    return Starlette(routes=routes, middleware=[guard])
+    app = Starlette(routes=routes, middleware=[guard])
+    app.router.redirect_slashes = False  # a stray slash is a 404, not a redirect built from the Host header
+    return app
 
 
 def _finish(reason):

@@ -1,0 +1,161 @@
+"""Property-based fuzz of the chat server's HTTP API (hypothesis): whatever
+arrives, the answer is 2xx or 4xx (never a 5xx, never a reset), the server
+keeps answering, and no saved chat changes unless a valid save was asked for.
+In-process server on the session model; bounded to a CI-sized run."""
+
+import hashlib
+import json
+import re
+
+import pytest
+
+from tests.chat_server import MODEL, chat_worker, port_of, post, serve, user, wait_for
+
+hypothesis = pytest.importorskip("hypothesis", reason="the fuzz test needs the 'test' extra: pip install -e '.[test]'")
+import httpx  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from apps.chat.server import create_app  # noqa: E402
+
+EXAMPLES = 100
+
+
+def nested(depth):
+    """A list nested `depth` levels deep, deeper than json.dumps can write: a marker encode() expands."""
+    return f"<deep {depth}>"
+
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=12))
+anything = st.one_of(
+    st.recursive(scalars, lambda kids: st.lists(kids, max_size=3)
+                 | st.dictionaries(st.text(max_size=8), kids, max_size=3), max_leaves=8),
+    st.integers(20, 5000).map(nested))
+text = st.text(min_size=1, max_size=30).filter(str.strip)
+message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", 1]),
+                                 "content": st.one_of(text, anything)})
+valid_messages = st.one_of(text.map(user), st.tuples(text, text).map(
+    lambda t: [{"role": "system", "content": t[0]}, {"role": "user", "content": t[1]}]))
+# Valid lengths stay tiny: this is about input handling, not long generations.
+lengths = st.one_of(st.integers(1, 3), st.integers(max_value=0), st.integers(min_value=10**4), st.floats(),
+                    st.text(max_size=3), anything)
+numbers = st.one_of(st.floats(), st.integers(-3, 3), st.sampled_from([0.5, 1, 1.0]), st.text(max_size=3), anything)
+CHAT_FIELDS = {
+    "model": st.sampled_from([MODEL, MODEL, "nope", "", None, ["x"], 5, {"a": 1}]),
+    "kv_preset": st.sampled_from(["fp16", "k4v2_g128", "k9", None, 3, ["fp16"]]),
+    "preset": st.sampled_from(["fp16", "k4v2_g64", "nope", {}]),
+    "max_tokens": lengths,
+    "max_completion_tokens": lengths,
+    "temperature": numbers,
+    "top_p": numbers,
+    "seed": st.one_of(st.integers(-5, 2**70), anything),
+    "stream": st.one_of(st.booleans(), anything),
+    "stream_options": st.one_of(st.just({"include_usage": True}), st.just("yes"), anything),
+    "stop": st.one_of(text, st.lists(st.text(max_size=3), max_size=5), anything),
+    "n": st.one_of(st.just(1), st.just(2), anything),
+    "logprobs": st.one_of(st.booleans(), anything),
+    "tools": anything,
+    "user": st.one_of(text, anything),
+    "extra_field": anything,
+}
+
+
+@st.composite
+def chat_body(draw):
+    """Mostly a valid request with up to three fields of any kind."""
+    body = {"messages": draw(st.one_of(valid_messages, valid_messages, valid_messages, st.lists(message), anything))}
+    for field in draw(st.lists(st.sampled_from(sorted(CHAT_FIELDS)), max_size=3, unique=True)):
+        body[field] = draw(CHAT_FIELDS[field])
+    return body
+
+
+names = st.sampled_from(["a", "b-1", "kept", "foreign", "../x", "", "a/b", ".hidden", "x" * 70, 5, None, ["a"]])
+page_body = st.one_of(st.fixed_dictionaries({"name": names}),
+                      st.fixed_dictionaries({}, optional={"model": st.sampled_from([MODEL, "x", 1, ["x"]]),
+                                                          "preset": st.sampled_from(["fp16", "k4v2_g128", "zz", []]),
+                                                          "name": names, "other": anything}),
+                      anything)
+endpoints = st.one_of(
+    st.tuples(st.just("POST"), st.sampled_from(["/v1/chat/completions", "/api/chat"]), chat_body()),
+    st.tuples(st.just("POST"), st.sampled_from(["/api/new", "/api/save", "/api/load"]), page_body),
+    st.tuples(st.sampled_from(["GET", "HEAD", "PUT", "DELETE", "OPTIONS", "POST"]),
+              st.sampled_from(["/", "/api/info", "/api/health", "/api/chats", "/api/stats", "/v1/models",
+                               "/api/chat", "/v1/chat/completions", "/api/../apps/chat/server.py",
+                               "/static/../../pyproject.toml", "/%2e%2e/%2e%2e/etc/passwd", "/api/chats/../x",
+                               "/v1/chat/completions/", "/nope"]),
+              anything),
+)
+
+
+def encode(body, how):
+    text = json.dumps(body)  # NaN and Infinity come out as such: the server must refuse them by field
+    text = re.sub(r'"<deep (\d+)>"', lambda m: "[" * int(m[1]) + "]" * int(m[1]), text)
+    if how == "json":
+        return text.encode()
+    if how == "truncated":
+        return text[: len(text) // 2].encode()
+    return b"\xff\xfe" + text.encode("utf-16-le")  # not UTF-8
+
+
+requests = st.fixed_dictionaries({
+    "endpoint": endpoints,
+    "encoding": st.sampled_from(["json", "json", "json", "truncated", "utf16"]),
+    "raw": st.one_of(st.none(), st.none(), st.binary(max_size=64)),
+    "content_type": st.sampled_from(["application/json", "application/json", "application/json; charset=utf-8",
+                                     "text/plain", None, "application/x-www-form-urlencoded"]),
+    "origin": st.sampled_from([None, None, "same", "http://evil.example", "null"]),
+    "host": st.sampled_from(["default", "default", "default", "localhost", "evil.example"]),
+})
+
+
+def snapshot(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+
+
+def test_fuzz_http_api(smollm, tmp_path):
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "foreign.safetensors").write_bytes(b"somebody else's file")
+    with chat_worker(smollm) as worker, serve(create_app(worker, saved)) as url:
+        port = port_of(url)
+        reference = post(url + "/v1/chat/completions", {"messages": user("Hi"), "max_tokens": 3,
+                                                         "kv_preset": "fp16"}).json()
+        assert post(url + "/api/save", {"name": "kept"}).status_code == 200
+        client = httpx.Client(timeout=120)
+
+        @settings(max_examples=EXAMPLES, deadline=None, database=None, print_blob=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(req=requests)
+        def one_request(req):
+            method, path, body = req["endpoint"]
+            content = req["raw"] if req["raw"] is not None else encode(body, req["encoding"])
+            headers = {}
+            if req["content_type"]:
+                headers["Content-Type"] = req["content_type"]
+            if req["host"] != "default":
+                headers["Host"] = f"{req['host']}:{port}"
+            if req["origin"]:
+                headers["Origin"] = f"http://127.0.0.1:{port}" if req["origin"] == "same" else req["origin"]
+            before = snapshot(saved)
+            send = {} if method in ("GET", "HEAD", "OPTIONS") else {"content": content}
+            r = client.request(method, url + path, headers=headers, **send)
+            assert r.status_code // 100 in (2, 4), (method, path, r.status_code, r.text[:500])
+            if r.headers.get("content-type", "").startswith("text/event-stream"):
+                # A stream that started fine must not carry a server error either.
+                assert '"status": 500' not in r.text and '"server_error"' not in r.text, r.text[-500:]
+            after = snapshot(saved)
+            changed = {n for n in before.keys() | after.keys() if before.get(n) != after.get(n)}
+            if changed:  # only a valid save, and only the file it names
+                assert path == "/api/save" and r.status_code == 200, (method, path, r.status_code, changed)
+                assert req["content_type"] and req["content_type"].startswith("application/json")
+                assert req["origin"] in (None, "same") and req["host"] in ("default", "localhost")
+                assert changed == {body["name"] + ".safetensors"}
+            # Still answering, and nothing left running.
+            wait_for(lambda: client.get(url + "/api/health").json()["queued"] == 0, "an idle worker")
+
+        one_request()
+        assert (saved / "foreign.safetensors").read_bytes() == b"somebody else's file"
+        again = post(url + "/v1/chat/completions", {"messages": user("Hi"), "max_tokens": 3, "kv_preset": "fp16"})
+        assert again.status_code == 200
+        assert again.json()["choices"] == reference["choices"]
+        client.close()
