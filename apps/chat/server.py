@@ -22,6 +22,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect
 from starlette.responses import FileResponse, JSONResponse
 from starlette.routing import Route
 
@@ -89,10 +90,13 @@ async def read_json(request, limit=MAX_BODY):
     if declared > limit:
         raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:  # nobody is left to answer; just do no work
+        raise ChatError("the client left before sending the whole body", code="client_disconnected")
     return parse_json(bytes(body))
 
 
