@@ -97,6 +97,11 @@ def test_engine_save_and_resume(engine, smollm, tmp_path):
     resumed = other.load(path)
     assert resumed == msgs + [{"role": "assistant", "content": d1["text"]}]
     assert other.preset == "fp16" and other.cache[0].offset == engine.cache[0].offset
+    import mlx.core as mx
+
+    for a, b in zip(engine.cache, other.cache):  # bit for bit what was saved
+        assert all(mx.array_equal(x, y).item() for x, y in zip(a.state, b.state))
+    assert other.tokens == engine.tokens
     s, _ = run(other, resumed + [{"role": "user", "content": "And a vegetable?"}])
     assert s["reused"] >= engine.cache[0].offset - 1  # the loaded cache is reused, not recomputed
     with pytest.raises(ChatError, match="no saved conversation"):

@@ -163,35 +163,77 @@ def test_network_bind_warns():
     assert "reachable from the network" not in out.stderr and "WARNING" not in out.stderr
 
 
-def test_page_with_api_key(worker, tmp_path):
-    """The page served with a key: it asks for the key once, then chats."""
+def chromium_page(test):
+    """Run test(page, url) in headless Chromium against `url`; skips without chromium/playwright."""
     if CHROMIUM is None:
         pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no `playwright install`)")
-    key = "page-key"
-    preload = os.environ.pop("LD_PRELOAD", None)  # see tests/test_app.py: OpenBLAS breaks chromium
+
+    def run(url):
+        preload = os.environ.pop("LD_PRELOAD", None)  # see tests/test_app.py: OpenBLAS breaks chromium
+        try:
+            with sync_api.sync_playwright() as p:
+                browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000)
+                try:
+                    page = browser.new_page()
+                    page.set_default_timeout(150_000)
+                    test(page, url)
+                finally:
+                    browser.close()
+        finally:
+            if preload is not None:
+                os.environ["LD_PRELOAD"] = preload
+
+    return run
+
+
+HOSTILE = ['<img src=x onerror="window.pwned=1">', "<script>window.pwned=2</script>",
+           '<svg onload="window.pwned=3"></svg>', "[link](javascript:window.pwned=4)",
+           '**<b onclick="window.pwned=5">bold</b>**', "```\n<img src=y onerror=window.pwned=6>\n```",
+           "<think><img src=z onerror=window.pwned=7></think>"]
+
+
+def test_page_shows_html_as_text(worker, url):
+    """Markup in the conversation (the user's or the model's) is shown, never run."""
+    eng = worker.engine
+    saved = eng.messages
+    eng.messages = [{"role": "user", "content": "\n".join(HOSTILE)},
+                    {"role": "assistant", "content": "\n\n".join(HOSTILE)}]
+
+    def check(page, u):
+        page.goto(u + "/")
+        page.wait_for_selector("body[data-ready='1']")
+        assert page.evaluate("window.pwned") is None
+        assert not page.query_selector_all("#messages img, #messages script, #messages svg, #messages b, "
+                                           "#messages a[href^='javascript']")
+        shown = page.inner_text("#messages")
+        assert '<img src=x onerror="window.pwned=1">' in shown and "<script>window.pwned=2</script>" in shown
+
     try:
-        with serve(create_app(worker, tmp_path, api_key=key)) as u, sync_api.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000)
-            try:
-                page = browser.new_page()
-                page.set_default_timeout(150_000)
-                page.goto(u + "/")
-                page.wait_for_selector("#apikey", state="visible")
-                page.fill("#apikey", "wrong")
-                page.press("#apikey", "Enter")
-                page.wait_for_function("document.getElementById('status').textContent.includes('API key was refused')")
-                page.fill("#apikey", key)
-                page.press("#apikey", "Enter")
-                page.wait_for_selector("body[data-ready='1']")
-                shown = len(page.query_selector_all(".msg[data-idx]"))  # the engine's conversation so far
-                page.fill("#input", "Hi!")
-                page.click("#send")
-                page.wait_for_selector(f".msg.assistant[data-idx='{shown + 1}'][data-done='1']")
-                assert not page.query_selector_all(".msg.error")
-                assert page.is_hidden("#apikey")
-            finally:
-                browser.close()
+        chromium_page(check)(url)
     finally:
-        if preload is not None:
-            os.environ["LD_PRELOAD"] = preload
+        eng.messages = saved
+
+
+def test_page_with_api_key(worker, tmp_path):
+    """The page served with a key: it asks for the key once, then chats."""
+    key = "page-key"
+
+    def check(page, u):
+        page.goto(u + "/")
+        page.wait_for_selector("#apikey", state="visible")
+        page.fill("#apikey", "wrong")
+        page.press("#apikey", "Enter")
+        page.wait_for_function("document.getElementById('status').textContent.includes('API key was refused')")
+        page.fill("#apikey", key)
+        page.press("#apikey", "Enter")
+        page.wait_for_selector("body[data-ready='1']")
+        shown = len(page.query_selector_all(".msg[data-idx]"))  # the engine's conversation so far
+        page.fill("#input", "Hi!")
+        page.click("#send")
+        page.wait_for_selector(f".msg.assistant[data-idx='{shown + 1}'][data-done='1']")
+        assert not page.query_selector_all(".msg.error")
+        assert page.is_hidden("#apikey")
+
+    with serve(create_app(worker, tmp_path, api_key=key)) as u:
+        chromium_page(check)(u)
