@@ -224,3 +224,15 @@ def test_stop_strings(url):
                                  "temperature": 0, "stop": stop})
     done = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {\"type\": \"done\"")]
     assert done and done[0]["text"] == full[:cut] and done[0]["finish_reason"] == "stop"
+
+
+def test_stop_matching_rules():
+    from apps.chat.engine import find_stop, held_back
+
+    assert find_stop("Hello world", ["wor", "lo"], 0) == 3  # the earliest match wins
+    assert find_stop("Hello world", ["xyz"], 0) is None
+    assert find_stop("Hello world", ["Hello"], 6) is None  # already searched before
+    assert find_stop("Hello world", ["o w"], 5) == 4  # a match straddling the new text
+    assert held_back("Hello wo", ["world"]) == 2  # "wo" may begin "world": not shown yet
+    assert held_back("Hello", ["world", "lo!"]) == 2
+    assert held_back("Hello", ["xyz"]) == 0 and held_back("", ["a"]) == 0
