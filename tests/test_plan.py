@@ -1,0 +1,297 @@
+"""python -m kvarn_mlx.plan against real caches.
+
+"Measured" here means the caches the CLIs build for the model (mlx-lm's
+make_prompt_cache on its model class, kvarn_mlx.make_cache for the presets,
+QuantizedKVCache for the layers mlx-lm quantizes), fed keys and values of the
+shape the config gives, as mlx_lm.generate feeds them (prompt chunks, then one
+token per step), and summed with nbytes. Long runs on full-size configs feed
+unevaluated zeros: nbytes is fixed by the arrays' shapes and dtypes, which
+test_unevaluated_caches_hold_what_evaluated_ones_do checks against evaluated
+random data.
+"""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.utils import _get_classes
+
+from kvarn_mlx import plan
+from kvarn_mlx.cache import make_cache
+from kvarn_mlx.config import PRESETS
+
+QWEN3 = dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
+             num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, vocab_size=151936,
+             max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=True, torch_dtype="bfloat16")
+# Gemma-3 text: 5 of every 6 layers attend over a 512-token sliding window.
+GEMMA3 = dict(model_type="gemma3_text", hidden_size=640, num_hidden_layers=6, intermediate_size=2048,
+              num_attention_heads=4, num_key_value_heads=1, head_dim=256, rms_norm_eps=1e-6, vocab_size=262144,
+              sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
+              max_position_embeddings=32768, torch_dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """config.json of the embedded default model (llama, 30 layers, 3 kv heads, head dim 64, float32)."""
+    return plan.read_model(None).config
+
+
+def small(config, layers):
+    """The same kv shape with fewer layers (and a small hidden size: the model never runs)."""
+    c = dict(config, num_hidden_layers=layers, hidden_size=64, intermediate_size=64, vocab_size=256)
+    c.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    return c
+
+
+def kv_shape(config):
+    return config["num_key_value_heads"], config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def real_caches(config, cache):
+    """The caches the CLIs build for this model and cache name (no weight is computed)."""
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    if cache.startswith("plain"):
+        return make_prompt_cache(model)
+    if cache.startswith("mlx-lm"):
+        bits = int(cache.split()[1].split("-")[0])
+        return [QuantizedKVCache(plan.MLX_KV_GROUP_SIZE, bits) if type(c) is KVCache else c
+                for c in make_prompt_cache(model)]
+    return make_cache(model, cache, iters=1)  # normalization iterations change values, not bytes
+
+
+def cache_dtype(config, cache):
+    return "float16" if cache == "plain (float16)" else config["torch_dtype"]
+
+
+def run(caches, config, dtype, prompt, n, evaluate=False, seed=0):
+    """Feed prompt chunks (a list of token counts), then one token per step up to n
+    tokens. Returns each layer's most bytes held after any step, and the most the
+    layers held together."""
+    H, D = kv_shape(config)
+    dt = getattr(mx, dtype)
+    peaks, total = [0] * len(caches), 0
+    key = mx.random.key(seed)
+    for L in [*prompt, *[1] * (n - sum(prompt))]:
+        if evaluate:
+            key, k1, k2 = mx.random.split(key, 3)
+            k, v = (mx.random.normal((1, H, L, D), key=x).astype(dt) for x in (k1, k2))
+        else:
+            k = v = mx.zeros((1, H, L, D), dt)
+        for c in caches:
+            c.update_and_fetch(k, v)
+        if evaluate:
+            mx.eval([c.state for c in caches])
+        held = [c.nbytes for c in caches]
+        peaks = [max(p, h) for p, h in zip(peaks, held)]
+        total = max(total, sum(held))
+    return peaks, total
+
+
+def chunks(n, step=plan.PREFILL_STEP_SIZE):
+    return [min(step, n - i) for i in range(0, n, step)]
+
+
+def plans(config, **kw):
+    return {c.name: c for c in plan.cache_plans(config, config["torch_dtype"], **kw)}
+
+
+# -- the model's layers ---------------------------------------------------------------------
+
+
+def test_layers_come_from_the_model_class(smollm2):
+    layers = plan.model_layers(plan.lazy_model(smollm2, "float32"))
+    assert len(layers) == 30 and {(l.kind, l.heads, l.k_dim, l.dtype) for l in layers} == {("kv", 3, 64, "float32")}
+    gemma = plan.model_layers(plan.lazy_model(GEMMA3, "bfloat16"))
+    assert [(l.kind, l.window, l.heads, l.k_dim) for l in gemma] == [("window", 512, 1, 256)] * 5 + [("kv", 0, 1, 256)]
+    qwen = plan.model_layers(plan.lazy_model(QWEN3, "bfloat16"))
+    assert len(qwen) == 36 and {(l.kind, l.heads, l.k_dim, l.dtype) for l in qwen} == {("kv", 8, 128, "bfloat16")}
+
+
+def test_hybrid_recurrent_layers_hold_a_fixed_state():
+    # Qwen3-Next-style: three linear-attention (recurrent) layers to one full-attention layer.
+    cfg = dict(model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=64,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_value_heads=4,
+               linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+               full_attention_interval=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+               shared_expert_intermediate_size=64, moe_intermediate_size=32, mlp_only_layers=[], rms_norm_eps=1e-6,
+               vocab_size=256, rope_theta=1e4, partial_rotary_factor=0.25, max_position_embeddings=4096,
+               torch_dtype="bfloat16")
+    layers = plan.model_layers(plan.lazy_model(cfg, "bfloat16"))
+    assert [l.kind for l in layers] == ["state"] * 3 + ["kv"]
+    p = plans(cfg)
+    for name in ("plain (bfloat16)", "k4v2_g128"):
+        state = p[name].models[0]
+        assert state.per_token == 0 and state.peak(10) == state.peak(10**6) == layers[0].state_bytes > 0
+    assert p["plain (bfloat16)"].per_token == 2 * 2 * 64 * 2  # only the attention layer grows
+
+
+# -- against measured caches --------------------------------------------------------------------
+
+
+def test_unevaluated_caches_hold_what_evaluated_ones_do():
+    cfg = small(QWEN3, 1)
+    for name in ("plain (bfloat16)", "mlx-lm 4-bit", "auto4v2", "k4v2_g64"):
+        lazy = run(real_caches(cfg, name), cfg, "bfloat16", [700], 900)
+        computed = run(real_caches(cfg, name), cfg, "bfloat16", [700], 900, evaluate=True)
+        assert lazy == computed, name
+    g = small(GEMMA3, 6)
+    assert run(real_caches(g, "auto4v2"), g, "bfloat16", [600, 300], 950) == \
+        run(real_caches(g, "auto4v2"), g, "bfloat16", [600, 300], 950, evaluate=True)
+
+
+CONFIGS = {"smollm2": None, "gemma3": GEMMA3, "qwen3": QWEN3}
+
+
+def config_of(name, smollm2):
+    return smollm2 if name == "smollm2" else CONFIGS[name]
+
+
+@pytest.mark.parametrize("model", CONFIGS)
+def test_bytes_per_token_match_measured_caches(model, smollm2):
+    # Between two prompts whose chunks fill whole room steps, tiles and prefill chunks,
+    # the bytes added per token are the marginal rate, to the byte.
+    cfg = config_of(model, smollm2)
+    n1, n2 = 4096, 8192
+    checked = 0
+    for name, c in plans(cfg).items():
+        if c.error:
+            continue
+        dtype = cache_dtype(cfg, name)
+        held = [run(real_caches(cfg, name), cfg, dtype, chunks(n), n)[1] for n in (n1, n2)]
+        measured = (held[1] - held[0]) / (n2 - n1)
+        assert c.per_token == pytest.approx(measured, rel=0.02), name
+        assert c.per_token == pytest.approx(measured, abs=1e-9), name  # in fact exact
+        checked += 1
+    assert checked == len(PRESETS) + 3 + (cfg["torch_dtype"] == "float32")
+    H, D = kv_shape(cfg)
+    full = sum(1 for l in plan.model_layers(plan.lazy_model(cfg, cfg["torch_dtype"])) if l.kind == "kv")
+    itemsize = 4 if cfg["torch_dtype"] == "float32" else 2
+    assert plans(cfg)[f"plain ({cfg['torch_dtype']})"].per_token == 2 * full * H * D * itemsize
+
+
+SMALL = {"smollm2": 2, "gemma3": 6, "qwen3": 2}  # layers in the evaluated runs
+
+
+@pytest.mark.parametrize("model", CONFIGS)
+@pytest.mark.parametrize("cache", ["plain", "mlx-lm 4-bit", "k4v2_g128", "k4v2_g64", "auto2"])
+def test_peak_bytes_are_the_most_any_prompt_length_gives(model, cache, smollm2):
+    # Evaluated caches, a few layers, several tiles: over prompts of different lengths
+    # (then decoding), no run holds more than the planner says at any point up to n,
+    # and for every layer some run holds exactly that.
+    cfg = small(config_of(model, smollm2), SMALL[model])
+    p = plans(cfg)
+    name = f"plain ({cfg['torch_dtype']})" if cache == "plain" else cache
+    cp = p[name]
+    c = PRESETS.get(cache)
+    S, G = (c.sink_size, c.group_size) if c else (128, 128)
+    n = S + 6 * G + 40
+    # One prompt; a prompt then decoding across one or two tiles; two prompts (a chat's
+    # second turn), the second ending on a room step so that the next token adds a step.
+    prompts = [[n], [S + 4 * G], [S + 5 * G], [S + 2 * G, S + 2 * G], [n - 257, 256]]
+    if model == "smollm2":
+        prompts.append([1])  # all decoding
+    runs = [run(real_caches(cfg, name), cfg, cfg["torch_dtype"], prompt, n, evaluate=True) for prompt in prompts]
+    for peaks, total in runs:
+        assert total <= cp.peak(n)
+        assert all(m <= model.peak(n) for m, model in zip(peaks, cp.models))
+    most = [max(r[0][i] for r in runs) for i in range(len(cp.models))]
+    assert most == [m.peak(n) for m in cp.models]
+
+
+def worst_runs(n, step, S, G):
+    """Prompts (chunks of at most `step`) ending at n tokens after which the caches
+    hold the most: plain prompt chunks; a last chunk of a whole step (sliding windows
+    hold window - 1 + step); a second prompt ending on a room step, then one token
+    (a new room step); a prompt, then decoding to a tile boundary - 1 (full tail)."""
+    runs = [chunks(n, step), chunks(n - 257, step) + [256]]
+    if n > step:
+        runs.append(chunks(n - step, step) + [step])
+    boundary = S + (n - S + 1) // G * G - 1  # the last count <= n with a full tail
+    return [(r, n) for r in runs] + [(chunks(boundary - G + 1, step), boundary)]
+
+
+@pytest.mark.parametrize("model", CONFIGS)
+def test_longest_context_matches_measured_caches(model, smollm2):
+    # Full-size configs (unevaluated caches): with a KV budget of what the planner says
+    # 60K tokens take, measured caches fit at the planner's longest context whatever the
+    # prompt, and some prompt makes them exceed the budget 2% further. The prefill step
+    # matters only to sliding-window layers: one chunk elsewhere keeps this fast.
+    cfg = config_of(model, smollm2)
+    step = 8192 if model == "gemma3" else 10**6
+    for name, c in plans(cfg, prefill=step).items():
+        if c.error:
+            continue
+        kv_budget = c.peak(60_000)
+        n = plan.longest_context(c.peak, c.per_token, kv_budget)
+        assert n >= 60_000
+        preset = PRESETS.get(name)
+        S, G = (preset.sink_size, preset.group_size) if preset else (128, 128)
+        dtype = cache_dtype(cfg, name)
+
+        def most(count):
+            return max(run(real_caches(cfg, name), cfg, dtype, prompt, end)[1]
+                       for prompt, end in worst_runs(count, step, S, G))
+
+        assert most(n) <= kv_budget, name
+        assert most(int(n * 1.02)) > kv_budget, name
+
+
+# -- the CLI ---------------------------------------------------------------------------------
+
+
+def test_cli_table_and_json_for_the_default_model(capsys):
+    plan.main(["--memory", "24GB"])
+    table = capsys.readouterr().out
+    assert "SmolLM2-135M-Instruct" in table and "24.0 GiB" in table
+    for name in ["plain (float32)", "plain (float16)", "mlx-lm 8-bit", "mlx-lm 4-bit", *PRESETS]:
+        assert f"\n{name} " in table
+    plan.main(["--memory", "24GB", "--json", "--context", "128000"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["budget_bytes"] == 24 * 2**30 and out["context"] == 128000
+    assert out["kv_budget_bytes"] == out["budget_bytes"] - out["weights_bytes"] - 2**30
+    rows = {r["cache"]: r for r in out["caches"]}
+    assert rows["plain (float32)"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+    for r in rows.values():
+        assert r["fits_context"] == (r["longest_context"] >= 128000)
+        assert r["kv_bytes_at_context"] <= out["kv_budget_bytes"] or not r["fits_context"]
+
+
+def test_cli_context_says_which_fit(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3))
+    plan.main(["--model", str(tmp_path), "--memory", "16GB", "--context", "128000", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["weights_source"].startswith("counted from the model's parameters")
+    assert out["weights_bytes"] == pytest.approx(4.02e9 * 2, rel=0.01)  # Qwen3-4B: 4.02B bfloat16 parameters
+    fits = {r["cache"]: r["fits_context"] for r in out["caches"]}
+    assert not fits["plain (bfloat16)"] and not fits["mlx-lm 8-bit"] and fits["k2v2_g128"]
+
+
+def test_cli_bad_input(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit, match="cannot read '24 gigs' as a size"):
+        plan.main(["--memory", "24 gigs"])
+    with pytest.raises(SystemExit, match="has no config.json"):
+        plan.main(["--model", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--context 0"):
+        plan.main(["--context", "0"])
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SystemExit, match=r"could not read nobody/no-such-model's config.json .* \(no network\?\)"):
+        plan.main(["--model", "nobody/no-such-model"])
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3))
+    plan.main(["--model", str(tmp_path), "--memory", "8GB"])
+    assert "the weights and the allowance alone exceed the budget" in capsys.readouterr().out
+
+
+def test_parse_bytes():
+    assert plan.parse_bytes("24GB") == plan.parse_bytes("24GiB") == plan.parse_bytes("24g") == 24 * 2**30
+    assert plan.parse_bytes("1.5GB") == 3 * 2**29 and plan.parse_bytes("512MB") == 2**29
+    assert plan.parse_bytes("1000") == 1000
+
+
+def test_default_budget_is_this_machine():
+    budget, source = plan.machine_budget()
+    assert budget > 2**28
+    assert ("RAM" in source) != mx.metal.is_available()
