@@ -26,6 +26,7 @@ the prompt's length.
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -199,7 +200,7 @@ class Layer:
     window: int = 0
     keep: int = 0
     state_bytes: int = 0
-    top_level: bool = True  # make_cache and mlx-lm's --kv-bits replace only top-level KVCache layers
+    top_level: bool = True  # not inside a CacheList (mlx-lm's --kv-bits quantizes only top-level caches)
     cls: str = ""
 
 
@@ -232,19 +233,24 @@ def parameter_bytes(model, config):
     return sum(x.nbytes for _, x in params)
 
 
+def _flat(caches):
+    """(cache, top level?) for every cache layer, CacheList members in order."""
+    for c in caches:
+        if isinstance(c, CacheList):
+            yield from ((m, False) for m in c.caches)
+        else:
+            yield c, True
+
+
 def model_layers(model):
     """The model's cache layers: its prompt cache after one token went through the
     model (lazily: nothing is evaluated)."""
     caches = make_prompt_cache(model)
     model(mx.array([[0]]), cache=caches)
     layers = []
-
-    def visit(c, top):
+    for c, top in _flat(caches):
         name = type(c).__name__
-        if isinstance(c, CacheList):
-            for sub in c.caches:
-                visit(sub, False)
-        elif type(c) in (KVCache, RotatingKVCache):
+        if type(c) in (KVCache, RotatingKVCache):
             _, H, _, Dk = c.keys.shape
             kv = dict(heads=H, k_dim=Dk, v_dim=c.values.shape[-1], dtype=str(c.keys.dtype).split(".")[-1],
                       top_level=top, cls=name)
@@ -257,9 +263,6 @@ def model_layers(model):
         else:
             raise PlanError(f"the planner does not know how a {name} layer grows (it knows KVCache, RotatingKVCache "
                             "and fixed-size recurrent caches)")
-
-    for c in caches:
-        visit(c, True)
     return layers
 
 
@@ -391,7 +394,20 @@ def tiles_of(config, layer):
 # -- the caches compared ------------------------------------------------------------------
 
 
-def plain_of(layer, prefill):
+def byte_model(layer, kind, prefill):
+    """The byte model of one layer whose cache is `kind`: "plain", mlx-lm's
+    QuantizedKVCache at that many bits (an int), or a KVarNConfig."""
+    if isinstance(kind, int):
+        if layer.k_dim % MLX_KV_GROUP_SIZE or layer.v_dim % MLX_KV_GROUP_SIZE:
+            raise ValueError(f"head dims {layer.k_dim}/{layer.v_dim} are not multiples of mlx-lm's "
+                             f"KV group size {MLX_KV_GROUP_SIZE}")
+        return steps_of(lambda: QuantizedKVCache(MLX_KV_GROUP_SIZE, kind), layer)
+    if kind != "plain":
+        try:
+            return tiles_of(kind, layer)
+        except ValueError as e:
+            raise ValueError(f"KVarNCache raises for {layer.heads} kv heads x head dims {layer.k_dim}/"
+                             f"{layer.v_dim}: {e}") from e
     if layer.kind == "kv":
         return steps_of(KVCache, layer)
     if layer.kind == "window":
@@ -399,27 +415,46 @@ def plain_of(layer, prefill):
     return Fixed(layer.state_bytes)
 
 
-def mlx_quantized_of(bits):
-    def build(layer, prefill):
-        if layer.kind == "kv" and layer.top_level:
-            if layer.k_dim % MLX_KV_GROUP_SIZE or layer.v_dim % MLX_KV_GROUP_SIZE:
-                raise ValueError(f"head dims {layer.k_dim}/{layer.v_dim} are not multiples of mlx-lm's "
-                                 f"KV group size {MLX_KV_GROUP_SIZE}")
-            return steps_of(lambda: QuantizedKVCache(MLX_KV_GROUP_SIZE, bits), layer)
-        return plain_of(layer, prefill)
+def _quiet_make_cache(model, preset):
+    from .cache import make_cache
 
-    return build
+    log = logging.getLogger("kvarn_mlx")
+    level = log.level
+    log.setLevel(logging.ERROR)  # make_cache says which layers it leaves; the table shows it
+    try:
+        return make_cache(model, preset)
+    finally:
+        log.setLevel(level)
 
 
-def kvarn_of(preset):
-    def build(layer, prefill):
-        if layer.kind == "kv" and layer.top_level:
-            if layer.k_dim != layer.v_dim:
-                raise ValueError(f"keys and values have different head dims ({layer.k_dim}, {layer.v_dim})")
-            return tiles_of(PRESETS[preset], layer)
-        return plain_of(layer, prefill)
+def kvarn_kinds(model, preset):
+    """Per cache layer (in model_layers' order): the preset's KVarNConfig where
+    make_cache puts a KVarNCache, "plain" where it leaves the layer as it is."""
+    return [c.config if isinstance(c, KVarNCache) else "plain" for c, _ in _flat(_quiet_make_cache(model, preset))]
 
-    return build
+
+def run_fails(model, caches, then=None):
+    """Why two tokens through the model with these caches raise, or None (lazy:
+    nothing is computed). then(caches) runs between the tokens."""
+    try:
+        model(mx.array([[0]]), cache=caches)
+        if then is not None:
+            then(caches)
+        model(mx.array([[0]]), cache=caches)
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return None
+
+
+def quantize_like_mlx_lm(caches, bits):
+    """mlx_lm.generate --kv-bits: top-level caches with to_quantized become
+    QuantizedKVCache (leaving here, with a warning, those that cannot)."""
+    for i, c in enumerate(caches):
+        if hasattr(c, "to_quantized"):
+            try:
+                caches[i] = c.to_quantized(group_size=MLX_KV_GROUP_SIZE, bits=bits)
+            except NotImplementedError:
+                pass
 
 
 def _mlx_quantizes_windows():
@@ -433,7 +468,7 @@ def _mlx_quantizes_windows():
 @dataclass
 class CachePlan:
     """One cache kind for the whole model: a byte model per cache layer, in the
-    order of the model's prompt cache (identical layers share one)."""
+    order of model_layers (identical layers share one)."""
 
     name: str
     note: str  # what the cache is
@@ -450,29 +485,47 @@ class CachePlan:
         return sum(m.peak(n) for m in self.models)
 
 
-def cache_plans(config, dtype, prefill=PREFILL_STEP_SIZE, layers=None):
+def _cache_plan(name, note, layers, kinds, prefill, warning=None, error=None):
+    """A CachePlan from each layer's cache kind (see byte_model), or the error that
+    makes the cache not applicable to this model."""
+    built = {}
+    if error is None:
+        try:
+            for key in zip(layers, kinds):
+                if key not in built:
+                    built[key] = byte_model(*key, prefill)
+        except ValueError as e:
+            error = str(e)
+    if error is not None:
+        return CachePlan(name, note, warning, error=error)
+    return CachePlan(name, note, warning, [built[key] for key in zip(layers, kinds)])
+
+
+def cache_plans(config, dtype, prefill=PREFILL_STEP_SIZE, model=None):
     """CachePlan per cache compared: plain (model dtype, and float16 if that differs),
     mlx-lm 8- and 4-bit, each KVarN preset."""
-    layers = layers or model_layers(lazy_model(config, dtype))
-    kinds = [(f"plain ({dtype})", "mlx-lm KVCache", None, layers, plain_of)]
+    model = model or lazy_model(config, dtype)
+    layers = model_layers(model)
+    plain = ["plain"] * len(layers)
+    plans = [_cache_plan(f"plain ({dtype})", "mlx-lm KVCache", layers, plain, prefill)]
     if DTYPES[dtype].size != 2:
-        kinds.append(("plain (float16)", "mlx-lm KVCache in float16", None,
-                      model_layers(lazy_model(config, "float16")), plain_of))
+        fp16 = model_layers(lazy_model(config, "float16"))
+        plans.append(_cache_plan("plain (float16)", "mlx-lm KVCache in float16", fp16, plain, prefill))
+
     warning = None
-    if any(l.kind == "window" for l in layers) and not _mlx_quantizes_windows():
+    if any(l.kind == "window" and l.top_level for l in layers) and not _mlx_quantizes_windows():
         warning = ("mlx-lm cannot quantize RotatingKVCache (sliding-window) layers: they are counted plain here, "
                    "but mlx_lm.generate --kv-bits stops with NotImplementedError once they reach quantized_kv_start")
     for bits in MLX_KV_BITS:
-        kinds.append((f"mlx-lm {bits}-bit", f"QuantizedKVCache, group {MLX_KV_GROUP_SIZE}", warning, layers,
-                      mlx_quantized_of(bits)))
-    kinds += [(p, "KVarNCache (other cache kinds stay as they are)", None, layers, kvarn_of(p)) for p in PRESETS]
-    plans = []
-    for name, note, warning, here, build in kinds:
-        try:
-            built = {l: build(l, prefill) for l in dict.fromkeys(here)}
-            plans.append(CachePlan(name, note, warning, [built[l] for l in here]))
-        except ValueError as e:
-            plans.append(CachePlan(name, note, warning, error=str(e)))
+        fails = run_fails(model, make_prompt_cache(model), lambda c: quantize_like_mlx_lm(c, bits))
+        kinds = [bits if l.kind == "kv" and l.top_level else "plain" for l in layers]
+        plans.append(_cache_plan(f"mlx-lm {bits}-bit", f"QuantizedKVCache, group {MLX_KV_GROUP_SIZE}", layers, kinds,
+                                 prefill, warning, fails and f"the model raises with mlx-lm's QuantizedKVCache ({fails})"))
+
+    for p in PRESETS:
+        fails = run_fails(model, _quiet_make_cache(model, p))
+        plans.append(_cache_plan(p, "KVarNCache where make_cache puts one", layers, kvarn_kinds(model, p), prefill,
+                                 error=fails and f"the model raises with this KVarN cache ({fails})"))
     return plans
 
 
@@ -519,6 +572,7 @@ def plan(info, budget, budget_source, overhead, context=None, dtype=None, prefil
         dtype, dtype_note = "float16", "config.json names no dtype: float16 assumed (set --dtype)"
     model = lazy_model(info.config, dtype)
     layers = model_layers(model)
+    plans = cache_plans(info.config, dtype, prefill, model)
     weights = info.weights_bytes
     if weights is None:
         weights = parameter_bytes(model, info.config)
@@ -531,7 +585,7 @@ def plan(info, budget, budget_source, overhead, context=None, dtype=None, prefil
         "budget_bytes": budget, "budget_source": budget_source, "overhead_bytes": overhead,
         "kv_budget_bytes": available, "prefill_step_size": prefill, "context": context, "caches": [],
     }
-    for c in cache_plans(info.config, dtype, prefill, layers):
+    for c in plans:
         row = {"cache": c.name, "note": c.note, "warning": c.warning}
         if c.error:
             out["caches"].append({**row, "error": c.error})

@@ -17,9 +17,11 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import _get_classes
 
+import archmodels
 from kvarn_mlx import plan
 from kvarn_mlx.cache import make_cache
 from kvarn_mlx.config import PRESETS
+from models import tokens
 
 QWEN3 = dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
              num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, vocab_size=151936,
@@ -295,3 +297,44 @@ def test_default_budget_is_this_machine():
     budget, source = plan.machine_budget()
     assert budget > 2**28
     assert ("RAM" in source) != mx.metal.is_available()
+
+
+# -- every architecture of tests/archmodels.py ---------------------------------------------------
+
+ARCH = {**archmodels.FAMILIES, **archmodels.SHAPES}
+
+
+@pytest.mark.parametrize("family", ARCH)
+def test_architectures_planned_from_their_real_caches(family):
+    # Through the real (tiny, float32) model: the planner's layers are the caches the model
+    # fills; after a prompt and two decode steps no layer holds more than planned; a preset
+    # the planner calls not applicable is one whose cache raises on this model.
+    from mlx_lm.generate import maybe_quantize_kv_cache
+
+    cfg = ARCH[family]
+    model = archmodels.tiny_model(family)
+    p = {c.name: c for c in plan.cache_plans(cfg, "float32")}
+    layers = plan.model_layers(plan.lazy_model(cfg, "float32"))
+    n = 128 + 2 * 128 + 50
+    prompt = mx.array(tokens(n - 2, seed=3))[None]
+    for name in ("plain (float32)", "mlx-lm 4-bit", "k4v2_g128", "k2v2_g128"):
+        caches = real_caches(cfg, name.replace("mlx-lm 4-bit", "plain"))
+        try:
+            mx.eval(model(prompt, cache=caches))
+            if name == "mlx-lm 4-bit":
+                maybe_quantize_kv_cache(caches, 0, plan.MLX_KV_GROUP_SIZE, 4)
+            for t in (5, 6):
+                mx.eval(model(mx.array([[t]]), cache=caches))
+        except NotImplementedError:
+            assert name == "mlx-lm 4-bit" and p[name].warning and "NotImplementedError" in p[name].warning
+            continue
+        except (ValueError, TypeError) as e:
+            assert p[name].error, f"{name}: the model raised with this cache ({e}) but the planner has numbers"
+            continue
+        assert not p[name].error, f"{name}: planned as not applicable ({p[name].error}) but the cache works"
+        flat = list(plan._flat(caches))
+        assert len(flat) == len(layers) == len(p[name].models)
+        for (c, _), layer, m in zip(flat, layers, p[name].models):
+            if name.startswith("plain") and layer.kind != "state":
+                assert (c.keys.shape[1], c.keys.shape[3], c.values.shape[3]) == (layer.heads, layer.k_dim, layer.v_dim)
+            assert c.nbytes <= m.peak(n), (name, type(c).__name__, layer)
