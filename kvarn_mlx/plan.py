@@ -153,7 +153,8 @@ def read_hub(repo):
         raise PlanError(
             f"could not read {repo}'s config.json and file sizes from the Hugging Face Hub (no network?) "
             f"[{type(e).__name__}: {e}], and no downloaded copy is cached. Pass a local model folder that has "
-            "config.json, or omit --model to plan for the embedded default model") from e
+            "config.json, or omit --model to plan for the embedded default model (HF_HUB_OFFLINE=1 skips the "
+            "Hub's retries)") from e
     sizes = {s.rfilename: s.size for s in info.siblings}
     files = _weight_files(list(sizes))
     if not files or any(sizes[f] is None for f in files):

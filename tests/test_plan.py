@@ -338,3 +338,43 @@ def test_architectures_planned_from_their_real_caches(family):
             if name.startswith("plain") and layer.kind != "state":
                 assert (c.keys.shape[1], c.keys.shape[3], c.values.shape[3]) == (layer.heads, layer.k_dim, layer.v_dim)
             assert c.nbytes <= m.peak(n), (name, type(c).__name__, layer)
+
+
+def test_hub_model_reads_config_and_file_sizes_only(tmp_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3))
+    asked = []
+
+    def download(repo, filename, **kw):
+        asked.append(filename)
+        return str(tmp_path / filename)
+
+    class File:
+        def __init__(self, name, size):
+            self.rfilename, self.size = name, size
+
+    class Api:
+        def model_info(self, repo, files_metadata=False):
+            assert files_metadata
+            return type("Info", (), {"siblings": [
+                File("model-00001-of-00002.safetensors", 3_957_900_840), File("model-00002-of-00002.safetensors",
+                                                                                4_087_036_176),
+                File("consolidated.safetensors", 8_044_936_192),  # not what mlx-lm loads
+                File("config.json", 726)]})()
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(huggingface_hub, "HfApi", Api)
+    info = plan.read_model("Qwen/Qwen3-4B")
+    assert asked == ["config.json"] and info.config == QWEN3
+    assert info.weights_bytes == 3_957_900_840 + 4_087_036_176 and "on the Hub" in info.weights_source
+
+    def gated(repo, filename, **kw):
+        e = GatedRepoError.__new__(GatedRepoError)  # its __init__ wants an HTTP response
+        Exception.__init__(e, "gated")
+        raise e
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", gated)
+    with pytest.raises(plan.PlanError, match="is gated on the Hugging Face Hub: .* hf auth login"):
+        plan.read_model("google/gemma-3-270m")
