@@ -376,5 +376,5 @@ def test_hub_model_reads_config_and_file_sizes_only(tmp_path, monkeypatch):
         raise e
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", gated)
-    with pytest.raises(plan.PlanError, match="is gated on the Hugging Face Hub: .* hf auth login"):
+    with pytest.raises(plan.PlanError, match="is gated on the Hugging Face Hub: .*`hf auth login`"):
         plan.read_model("google/gemma-3-270m")
