@@ -326,8 +326,8 @@ class Tiles:
     def held(self, n):
         s = min(n, self.sink)
         tiles, tail = divmod(n - s, self.group)
-        room = tiles + self.step_tiles - 1 if tiles else 0
-        return s * self.sink_token_bytes + room * self.tile_bytes + self.tail_step_bytes * (
+        capacity = tiles + self.step_tiles - 1 if tiles else 0
+        return s * self.sink_token_bytes + capacity * self.tile_bytes + self.tail_step_bytes * (
             _round_up(tail, self.tail_step) // self.tail_step)
 
     def peak(self, n):
