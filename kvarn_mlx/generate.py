@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from . import prompt_cache
+from . import memory, prompt_cache
 from .cache import KVarNCache, make_cache
 from .config import DEFAULT_PRESET, FP16, PRESETS
 from .prompt_cache import PromptCacheError
@@ -44,7 +44,7 @@ def setup_arg_parser():
     p.add_argument("--kv-preset", default=DEFAULT_PRESET,
                    help=f"KV cache: one of {', '.join([*PRESETS, FP16])} (default {DEFAULT_PRESET})")
     p.add_argument("--kv-sink", type=int, default=None, help="Leading tokens kept in full precision (default: one tile)")
-    p.add_argument("--compare", action="store_true", help="Also run the prompt with the plain fp16 cache and compare")
+    p.add_argument("--compare", action="store_true", help="Also run the prompt with mlx-lm's plain cache and compare")
     p.add_argument("--prompt-cache-file", default=None,
                    help="Reuse the cache saved in this file; if it does not exist, save the cache there "
                         "afterwards ('.safetensors' is added when missing, as mlx-lm does)")
@@ -209,50 +209,76 @@ def run(model, tokenizer, prompt_ids, cache, args, max_tokens=None, ctrl_c=None,
     return text, last
 
 
-def kv_stats(cache):
-    """Bytes held by the cache's arrays, its fp16-equivalent, and tiles quantized per layer."""
-    held = sum(c.nbytes for c in cache)
-    kvarn = [c for c in cache if isinstance(c, KVarNCache)]
-    fp16 = sum(fp16_nbytes(c) for c in cache)
-    tiles = kvarn[0].n_tiles if kvarn else 0
-    unused = sum(c.nbytes_breakdown()["unused"] for c in kvarn)
-    return {"held": held, "unused": unused, "fp16": fp16, "ratio": fp16 / held if held else 0.0, "tiles_per_layer": tiles,
-            "kvarn_layers": len(kvarn), "layers": len(cache)}
+def mib(n):
+    return f"{n / 2**20:.2f} MiB"
 
 
-def fp16_nbytes(c):
-    """Bytes the tokens in cache layer c take as unpadded 2-byte keys and values."""
-    if isinstance(c, KVarNCache):
-        return c.fp16_nbytes()
-    keys = getattr(c, "keys", None)
-    if isinstance(keys, mx.array) and hasattr(c, "offset"):
-        B, H, _, D = keys.shape
-        return B * H * min(c.offset, keys.shape[2]) * (D + c.values.shape[-1]) * 2
-    return c.nbytes
+def context_tokens(cache):
+    """Tokens of context the cache holds (every layer holds the same tokens)."""
+    return max((int(getattr(c, "offset", 0)) for c in cache), default=0)
+
+
+def kv_dtype(cache):
+    """The dtype the cache keeps full-precision keys in (the model's), or None while empty."""
+    for c in cache:
+        for name in ("sink_k", "keys"):
+            x = getattr(c, name, None)
+            if isinstance(x, mx.array):
+                return x.dtype
+    return None
 
 
 def print_stats(name, last, cache, out=None):
+    """The stats block; returns memory.cache_bytes(cache)."""
     out = out or sys.stdout
-    s = kv_stats(cache)
+    s = memory.cache_bytes(cache)
+    dtype = kv_dtype(cache)
+    dtype_name = str(dtype).removeprefix("mlx.core.") if dtype is not None else "?"
+    kvarn = [c for c in cache if isinstance(c, KVarNCache)]
     print("=" * 10, file=out)
     print(f"KV cache: {name}", file=out)
     if last is not None:
         print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens-per-sec", file=out)
         print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens-per-sec", file=out)
         print(f"Peak memory: {last.peak_memory:.3f} GB", file=out)
-    room = f" ({s['unused'] / 2**20:.2f} MiB of it preallocated room)" if s["unused"] else ""
-    print(f"KV bytes held: {s['held'] / 2**20:.2f} MiB{room} vs fp16-equivalent {s['fp16'] / 2**20:.2f} MiB "
-          f"({s['ratio']:.2f}x)", file=out)
-    if s["kvarn_layers"]:
-        print(f"Tiles quantized: {s['tiles_per_layer']} per layer in {s['kvarn_layers']}/{s['layers']} layers",
+    room = f" ({mib(s['unused'])} of it preallocated room)" if s["unused"] else ""
+    print(f"KV bytes held: {mib(s['held'])} for {context_tokens(cache)} tokens{room}", file=out)
+    if not kvarn:
+        print(f"  mlx-lm's plain cache, {dtype_name}; 2-byte (fp16) equivalent: {mib(s['fp16'])}", file=out)
+        return s
+    if s["tiles"] == 0:
+        c = kvarn[0]
+        start = memory.saving_starts_at(c.config, c.sink_k.shape[-1], dtype.size) if dtype is not None else None
+        where = f"; KVarN starts saving memory from token {start}" if start is not None else ""
+        print(f"  no tile quantized yet: every token is held in {dtype_name}, as in mlx-lm's plain cache{where}",
               file=out)
-    decided = [c.key_rotation_summary() for c in cache
-               if isinstance(c, KVarNCache) and c.config.rotate_keys == "auto"]
+        return s
+    print(f"  mlx-lm's plain cache, {dtype_name}: {mib(s['plain'])} (KVarN holds {s['ratio_plain']:.2f}x less)",
+          file=out)
+    print(f"  2-byte (fp16) equivalent: {mib(s['fp16'])} (KVarN holds {s['ratio_fp16']:.2f}x less)", file=out)
+    print(f"Tiles quantized: {s['tiles']} per layer in {len(kvarn)}/{len(cache)} layers", file=out)
+    # A layer decides its key rotation at its first tile; before that there is nothing to report.
+    decided = [c.key_rotation_summary() for c in kvarn if c.config.rotate_keys == "auto" and c.n_tiles]
     decided = [d for d in decided if d is not None]
     if decided:
         print(f"Key rotation (auto): {sum(r for r, _ in decided)}/{sum(n for _, n in decided)} kv heads rotated, "
               f"decided in {len(decided)} layers", file=out)
     return s
+
+
+def print_comparison(cache, ref_cache, last, ref_last, out=None):
+    """KVarN against the plain cache: bytes held, bytes per token of context
+    (preallocated room left out: the plain cache adds room 256 tokens at a time), and speed."""
+    out = out or sys.stdout
+    kvarn, plain = memory.cache_bytes(cache), memory.cache_bytes(ref_cache)
+    per_token = [(s["held"] - s["unused"]) / max(1, context_tokens(c))
+                 for s, c in ((plain, ref_cache), (kvarn, cache))]
+    print(f"Measured, held: plain {mib(plain['held'])}, KVarN {mib(kvarn['held'])}; "
+          f"plain/KVarN {plain['held'] / kvarn['held']:.2f}x", file=out)
+    print(f"Measured, per token without preallocated room: plain {per_token[0]:.0f} bytes, "
+          f"KVarN {per_token[1]:.0f} bytes; plain/KVarN {per_token[0] / per_token[1]:.2f}x", file=out)
+    if last is not None and ref_last is not None:
+        print(f"Generation speed ratio KVarN/plain: {last.generation_tps / ref_last.generation_tps:.2f}", file=out)
 
 
 def _one_line(e):
@@ -319,19 +345,14 @@ def generate(args):
 
     if args.compare:
         mx.reset_peak_memory()
-        print("\n--- same prompt, plain fp16 KV cache ---")
+        print("\n--- same prompt, mlx-lm's plain KV cache (--kv-preset fp16) ---")
         ref_cache = make_cache(model, FP16)
         with CtrlC() as ctrl_c:
             ref_text, ref_last = run(model, tokenizer, prompt_ids, ref_cache, args, max_tokens, ctrl_c)
         if not args.verbose:
             print(ref_text)
         print_stats(FP16, ref_last, ref_cache)
-        if last is not None and ref_last is not None:
-            held = kv_stats(cache)["held"]
-            ref_held = kv_stats(ref_cache)["held"]
-            print(f"Measured: plain cache holds {ref_held / 2**20:.2f} MiB, KVarN {held / 2**20:.2f} MiB "
-                  f"({ref_held / held:.2f}x less); generation speed ratio KVarN/plain "
-                  f"{last.generation_tps / ref_last.generation_tps:.2f}")
+        print_comparison(cache, ref_cache, last, ref_last)
         if ctrl_c.pressed:
             sys.exit(INTERRUPTED)
 

@@ -15,14 +15,16 @@ CONFIG = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermed
               rope_theta=10000.0, bos_token_id=1, eos_token_id=2)
 
 
-def tiny_model_folder(path, seed=0, **config):
-    """Write a 2-layer llama with SmolLM2's tokenizer to `path`; config overrides CONFIG."""
+def tiny_model_folder(path, seed=0, dtype=mx.float32, **config):
+    """Write a 2-layer llama with SmolLM2's tokenizer to `path`, weights in `dtype`;
+    config overrides CONFIG."""
     from kvarn_mlx.loader import default_model_path
 
     cfg = {**CONFIG, **config}
     path.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(cfg))
+    model.set_dtype(dtype)
     mx.eval(model.parameters())
     model.save_weights(str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(cfg))

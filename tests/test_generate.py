@@ -25,13 +25,14 @@ def test_answers_with_quantized_tiles(capsys, smollm, preset):
     assert f"KV cache: {preset}" in out
     tiles = int(out.split("Tiles quantized: ")[1].split()[0])
     assert tiles >= 2  # the answer was decoded over quantized tiles
-    assert "tokens-per-sec" in out and "Peak memory" in out and "fp16-equivalent" in out
+    assert "tokens-per-sec" in out and "Peak memory" in out and "2-byte (fp16) equivalent" in out
 
 
 def test_compare_runs_the_plain_cache_too(capsys, smollm):
     out = run(capsys, "--prompt", QUESTION, "--system-prompt", LONG_SYSTEM, "--kv-sink", "0", "--compare").out
     assert out.count("Paris") >= 2
-    assert "KV cache: fp16" in out and "Measured: plain cache holds" in out
+    assert "KV cache: fp16" in out and "Measured, held: plain" in out
+    assert "Measured, per token without preallocated room: plain" in out
 
 
 def test_prompt_from_stdin(capsys, smollm, monkeypatch):

@@ -188,3 +188,27 @@ def test_ctrl_c_stops_cleanly_prints_stats_and_saves(tmp_path, tiny):
     cache, _ = prompt_cache.load(path, prompt_cache.model_identity(str(tiny), model, tok))
     prompt_len = len(generate.build_prompt(tok, generate.DEFAULT_PROMPT))
     assert prompt_len + n - 1 <= cache[0].offset <= prompt_len + n
+
+
+def test_ctrl_c_during_the_prompt_saves_no_partial_cache(tmp_path, tiny):
+    path = tmp_path / "c.safetensors"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "kvarn_mlx.generate", "--model", str(tiny), "--prompt", "-",
+                          "--ignore-chat-template", "--prefill-step-size", "8", "--prompt-cache-file", str(path)],
+                         cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p.stdin.write(" ".join(["word"] * 8000).encode())
+    p.stdin.close()
+    p.stdin = None  # sent; communicate() must not flush it
+    os.set_blocking(p.stderr.fileno(), False)
+    err, deadline = b"", time.monotonic() + 120
+    while b"prefill 8/" not in err and p.poll() is None and time.monotonic() < deadline:
+        err += p.stderr.read() or b""
+        time.sleep(0.01)
+    p.send_signal(signal.SIGINT)
+    os.set_blocking(p.stderr.fileno(), True)
+    out, rest = p.communicate(timeout=120)
+    err = (err + rest).decode()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "the prompt was not fully processed" in err
+    assert "KV bytes held" in out.decode() and not path.exists()
