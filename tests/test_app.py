@@ -88,6 +88,33 @@ def test_engine_trims_into_quantized_tiles(smollm):
     assert d2["usage"]["completion_tokens"] >= 1
 
 
+def test_engine_memory_figures(smollm):
+    """The panel's figures: bytes held against mlx-lm's plain cache in the model's dtype
+    (float32 here) and the 2-byte equivalent; before the first tile, from which token KVarN saves."""
+    from kvarn_mlx import memory
+    from kvarn_mlx.config import PRESETS
+
+    short = [{"role": "user", "content": "Name a color."}]
+    kvarn, plain = Engine(preset="k4v2_g128", max_tokens=4, loaded=smollm), Engine(preset="fp16", max_tokens=4,
+                                                                                  loaded=smollm)
+    _, dk = run(kvarn, short)
+    _, dp = run(plain, short)
+    s, p = dk["stats"], dp["stats"]
+    assert s["context_tokens"] == p["context_tokens"] < 128
+    assert s["dtype"] == p["dtype"] == "float32"
+    # What mlx-lm's plain cache really holds for these tokens: its arrays up to the offset.
+    actual = sum(c.keys[..., :c.offset, :].nbytes + c.values[..., :c.offset, :].nbytes for c in plain.cache)
+    assert s["plain"] == p["plain"] == actual and s["fp16"] == actual // 2
+    assert s["tiles_per_layer"] == 0
+    assert s["saving_from"] == memory.saving_starts_at(PRESETS["k4v2_g128"], 64, 4) > s["context_tokens"]
+    assert p["saving_from"] is None and p["kvarn_layers"] == 0
+    _, d = run(kvarn, [{"role": "user", "content": long_text(400) + "\nWhat is this?"}])
+    s = d["stats"]
+    assert s["tiles_per_layer"] >= 2 and s["ratio_plain"] > 1 and s["ratio_fp16"] > 0
+    assert s["ratio_plain"] == pytest.approx(s["plain"] / s["held"]) and s["ratio_fp16"] == pytest.approx(s["fp16"] / s["held"])
+    assert s["history"][-1] == [s["context_tokens"], s["held"], s["plain"], s["fp16"]]
+
+
 def test_engine_save_and_resume(engine, smollm, tmp_path):
     msgs = [{"role": "user", "content": "Name a fruit."}]
     _, d1 = run(engine, msgs)
@@ -351,6 +378,19 @@ def _drive_page(p, server):
         page.select_option("#preset", "k4v2_g128")
         page.click("#new")
         page.wait_for_function("document.getElementById('ctx').textContent.startsWith('0 /')")
+        # A short first turn: no tile yet, and the panel says so instead of showing a ratio.
+        from kvarn_mlx import memory
+        from kvarn_mlx.config import PRESETS
+
+        page.fill("#input", "Hi!")
+        page.click("#send")
+        page.wait_for_selector(".msg.assistant[data-idx='1'][data-done='1']")
+        start = memory.saving_starts_at(PRESETS["k4v2_g128"], 64, 4)
+        assert page.inner_text("#ratio") == "–"
+        assert f"No tile quantized yet: every token is held in float32, as in mlx-lm's plain cache. KVarN starts " \
+               f"saving memory from token {start}." == page.inner_text("#saving")
+        page.click("#new")
+        page.wait_for_function("document.getElementById('ctx').textContent.startsWith('0 /')")
 
         def say(text, n):
             page.fill("#input", text)
@@ -371,7 +411,8 @@ def _drive_page(p, server):
         ratio2 = say("Thanks. What is the *assert* statement for?", 2)
         assert ratio1 > 1 and ratio2 > 1, (ratio1, ratio2)
         assert "per layer" in page.inner_text("#tiles") and not page.inner_text("#tiles").startswith("0 ")
-        assert len(page.query_selector_all("#chart polyline")) == 2
+        assert len(page.query_selector_all("#chart polyline")) == 3
+        assert "(float32)" in page.inner_text("#plain-label") and page.inner_text("#ratio16").endswith("×")
         page.screenshot(path=str(ARTIFACTS / "chat.png"))
     finally:
         browser.close()

@@ -13,7 +13,7 @@ HELP = ("commands: /new (start over), /save FILE (/save! FILE replaces a file th
 
 def stats_line(s):
     line = (f"[{s['context_tokens']} ctx tokens | KV {s['held'] / 2**20:.2f} MiB vs fp16 "
-            f"{s['fp16'] / 2**20:.2f} MiB = {s['ratio']:.2f}x | {s['tps']:.1f} tok/s | "
+            f"{s['fp16'] / 2**20:.2f} MiB = {s['ratio_fp16']:.2f}x | {s['tps']:.1f} tok/s | "
             f"prefilled {s['prefilled']}, reused {s['reused']}")
     if s["kvarn_layers"]:
         line += f" | {s['tiles_per_layer']} tiles/layer"

@@ -15,10 +15,9 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from kvarn_mlx import prompt_cache
-from kvarn_mlx.cache import make_cache
+from kvarn_mlx import memory, prompt_cache
+from kvarn_mlx.cache import KVarNCache, make_cache
 from kvarn_mlx.config import DEFAULT_PRESET, FP16, PRESETS
-from kvarn_mlx.generate import kv_stats
 from kvarn_mlx.loader import DEFAULT_NAME, load
 
 from .errors import ChatError
@@ -39,6 +38,16 @@ def check_preset(preset):
         raise ChatError(f"unknown KV preset {preset!r}; valid presets: {', '.join(PRESET_NAMES)}",
                         code="invalid_preset", param="kv_preset")
     return preset
+
+
+def kv_dtype(cache):
+    """The dtype keys are held in at full precision (the model's), or None while the cache is empty."""
+    for c in cache:
+        for name in ("sink_k", "keys"):
+            x = getattr(c, name, None)
+            if isinstance(x, mx.array):
+                return x.dtype
+    return None
 
 
 def find_stop(text, stops, new_from):
@@ -92,7 +101,7 @@ class Engine:
         self.cache = make_cache(self.model, self.preset)
         self.tokens = []  # token ids held by the cache, in order
         self.messages = []  # the conversation the cache holds (for saving)
-        self.history = []  # chart points [context, held bytes, fp16 bytes]
+        self.history = []  # chart points [context, held bytes, plain-cache bytes, 2-byte bytes]
         self.last = {"tps": 0.0, "prompt_tps": 0.0, "prefilled": 0, "reused": 0}
         self._point()
 
@@ -199,19 +208,29 @@ class Engine:
     # -- stats -----------------------------------------------------------------
 
     def _point(self):
-        s = kv_stats(self.cache)
-        point = [self.cache[0].offset, s["held"], s["fp16"]]
+        m = memory.cache_bytes(self.cache)
+        point = [self.cache[0].offset, m["held"], m["plain"], m["fp16"]]
         if not self.history or self.history[-1] != point:
             self.history.append(point)
             del self.history[:-HISTORY_MAX]
-        return s
+        return m
 
     def stats(self, point=False):
-        s = self._point() if point else kv_stats(self.cache)
+        """The memory panel: KV bytes held against mlx-lm's plain cache in the
+        model's dtype and, separately, the 2-byte (fp16) equivalent. Before the
+        first tile is quantized, saving_from says from which token KVarN saves."""
+        m = self._point() if point else memory.cache_bytes(self.cache)
+        kvarn = [c for c in self.cache if isinstance(c, KVarNCache) and not c.empty()]
+        dtype = kv_dtype(self.cache)
+        saving_from = None
+        if kvarn and dtype is not None:
+            c = kvarn[0]
+            saving_from = memory.saving_starts_at(c.config, c.sink_k.shape[-1], dtype.size)
         return {"model": self.name, "preset": self.preset, "context_tokens": self.cache[0].offset,
-                "context_limit": self.context, "held": s["held"], "fp16": s["fp16"],
-                "ratio": s["ratio"], "unused": s["unused"], "tiles_per_layer": s["tiles_per_layer"],
-                "kvarn_layers": s["kvarn_layers"], "layers": s["layers"], **self.last,
+                "context_limit": self.context, "dtype": None if dtype is None else str(dtype).removeprefix("mlx.core."),
+                "held": m["held"], "unused": m["unused"], "plain": m["plain"], "fp16": m["fp16"],
+                "ratio_plain": m["ratio_plain"], "ratio_fp16": m["ratio_fp16"], "tiles_per_layer": m["tiles"],
+                "kvarn_layers": m["kvarn_layers"], "layers": m["layers"], "saving_from": saving_from, **self.last,
                 "history": list(self.history)}
 
     # -- files -----------------------------------------------------------------
