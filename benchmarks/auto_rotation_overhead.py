@@ -9,7 +9,6 @@ them is compared with the step's queries. This times that extra work per layer
 """
 
 import argparse
-import copy
 import platform
 import statistics
 import time
@@ -18,6 +17,7 @@ import mlx.core as mx
 import pydoc_data.topics
 
 import kvarn_mlx
+from kvarn_mlx import rotation
 from kvarn_mlx.cache import KVarNCache
 from kvarn_mlx.loader import load
 
@@ -61,10 +61,7 @@ def main():
         q = k[..., S + G :, :][..., :256, :] * k.shape[3] ** -0.5  # stand-in queries, as many rows as a prefill chunk
 
         def decide():
-            replay = copy.deepcopy(c)
-            replay.n_tiles = 0  # the candidates land in tile slot 0 of the copy
-            replay._quantize_key_candidates(k_tiles)
-            return replay.decide_key_rotation(q)
+            return rotation.decide(rotation.candidates(k_tiles, c.config, 0), c.config.k_bits, q)
 
         extra += timed(decide, reps=3) - timed(lambda: kvarn_mlx.quant.quantize_keys(k_tiles, c.config.k_bits), reps=3)
     print(f"machine: {platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}")

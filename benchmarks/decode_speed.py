@@ -28,7 +28,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvarn_mlx import quant  # noqa: E402
-from kvarn_mlx.cache import KVarNCache, make_cache  # noqa: E402
+from kvarn_mlx.cache import KVarNCache  # noqa: E402
+from kvarn_mlx.integration import make_cache  # noqa: E402
 from kvarn_mlx.config import get_preset  # noqa: E402
 from kvarn_mlx.eval.runner import Progress, meta_markdown, metadata, pyplot  # noqa: E402
 

@@ -41,6 +41,7 @@ def main(argv=None):
     from kvarn_mlx import kernels, quant
     from kvarn_mlx.attention import attend
     from kvarn_mlx.config import get_preset
+    from kvarn_mlx.tiles import StepView, Tiles
 
     if not (hasattr(mx, "metal") and mx.metal.is_available()):
         print("benchmarks/kernels.py needs a Metal device (Apple silicon, macOS); nothing to time here.")
@@ -66,10 +67,9 @@ def main(argv=None):
         K = mx.random.normal((B, Hkv, ctx, D)).astype(mx.float16)
         V = mx.random.normal((B, Hkv, ctx, D)).astype(mx.float16)
         mx.eval(kq, vq, sink_k, sink_v, tail_k, tail_v, q, K, V)
-        args = (q, sink_k, sink_v, *kq, *vq, n, tail_k, tail_v, scale, kb, vb, True)
-        t_k = _timeit(lambda: kernels.packed_attention_metal(*args), iters=a.iters)
-        tiles = (*kq, *vq)
-        t_o = _timeit(lambda: attend(q, sink_k, sink_v, tiles, tail_k, tail_v, scale, kb, vb), iters=a.iters)
+        view = StepView(sink_k, sink_v, Tiles(*kq, *vq), n, tail_k, tail_v, kb, vb)
+        t_k = _timeit(lambda: kernels.packed_attention_metal(q, view, scale), iters=a.iters)
+        t_o = _timeit(lambda: attend(q, view, scale), iters=a.iters)
         t_f = _timeit(lambda: mx.fast.scaled_dot_product_attention(q, K, V, scale=scale), iters=a.iters)
         print(f"{ctx:>8} {1e3 * t_k:>10.3f} {1e3 * t_o:>10.3f} {1e3 * t_f:>10.3f} {t_o / t_k:>11.2f} {t_k / t_f:>12.2f}")
 

@@ -2,12 +2,13 @@
 
 Importing the package registers KVarNCache with mlx-lm's prompt-cache loader
 and routes mlx-lm's attention entry point to packed attention for KVarN caches
-(other caches are untouched; `unpatch()` undoes it).
+(other caches are untouched; `unpatch()` undoes it). See kvarn_mlx/integration.py.
 """
 
-from .attention import packed_attention, patch, unpatch
-from .cache import KVarNCache, make_cache
+from .attention import packed_attention
+from .cache import KVarNCache
 from .config import DEFAULT_PRESET, FP16, PRESETS, KVarNConfig, get_preset
+from .integration import make_cache, patch, unpatch
 
 patch()
 

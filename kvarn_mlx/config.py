@@ -1,4 +1,4 @@
-"""KVarN settings and the named presets of KVARN_SPEC.md section 5."""
+"""KVarN settings and the named presets (docs/algorithm.md, "Tiles, sink and tail")."""
 
 from dataclasses import dataclass, replace
 
@@ -16,7 +16,7 @@ class KVarNConfig:
     sink: S, leading tokens kept in the model's dtype (None means G).
     iters: variance-normalization iterations.
     scale_dtype: storage dtype of the absorbed scales.
-    rotate_keys, rotate_values: apply the Hadamard rotation (KVARN_SPEC 1).
+    rotate_keys, rotate_values: apply the Hadamard rotation (docs/algorithm.md, "Rotation").
         rotate_keys="auto" decides per kv head, at the first quantized tiles,
         whichever of rotated / unrotated keys gives the smaller score error.
     iters=0 with no rotation is plain per-channel-K / per-token-V RTN (KIVI-style).
@@ -78,10 +78,13 @@ DEFAULT_PRESET = "auto4v2"
 FP16 = "fp16"
 
 
-def get_preset(name: str, **overrides) -> KVarNConfig:
-    """The named preset, with any field overridden (e.g. sink=0, iters=16)."""
-    if name not in PRESETS:
-        valid = ", ".join(sorted(PRESETS))
-        raise ValueError(f"unknown KVarN preset {name!r}; valid presets: {valid}")
+def get_preset(preset: "str | KVarNConfig", **overrides) -> KVarNConfig:
+    """The named preset (or the given config), with any field overridden (e.g. sink=0, iters=16).
+    Overrides of None are ignored (a CLI option left unset)."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    return replace(PRESETS[name], **overrides)
+    if isinstance(preset, KVarNConfig):
+        return replace(preset, **overrides)
+    if preset not in PRESETS:
+        valid = ", ".join(sorted(PRESETS))
+        raise ValueError(f"unknown KVarN preset {preset!r}; valid presets: {valid} (or a KVarNConfig)")
+    return replace(PRESETS[preset], **overrides)

@@ -17,7 +17,8 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from . import memory, prompt_cache
-from .cache import KVarNCache, make_cache
+from .cache import KVarNCache
+from .integration import make_cache
 from .config import DEFAULT_PRESET, FP16, PRESETS
 from .prompt_cache import PromptCacheError
 

@@ -119,4 +119,4 @@ def saving_starts_at(config, head_dim: int, dtype_bytes: int) -> int:
         if start is not None and n - start >= period:
             return start
         if n % 64 == 0:
-            mx.eval(cache._held())  # keeps the graph short
+            mx.eval(cache.held_arrays())  # keeps the graph short

@@ -417,7 +417,7 @@ def byte_model(layer, kind, prefill):
 
 
 def _quiet_make_cache(model, preset):
-    from .cache import make_cache
+    from .integration import make_cache
 
     log = logging.getLogger("kvarn_mlx")
     level = log.level

@@ -18,7 +18,7 @@ from kvarn_mlx import cache as cache_mod
 from kvarn_mlx import reference as ref
 from kvarn_mlx.attention import packed_attention
 from kvarn_mlx.cache import KVarNCache
-from kvarn_mlx.config import KVarNConfig
+from kvarn_mlx.config import KVarNConfig, get_preset
 
 ATOL, RTOL = 2e-4, 1e-4
 ODD_CHUNKS = (1, 37, 100, 129, 3, 61, 200, 17)  # split tiles (64/128) and the sink at odd places
@@ -45,10 +45,12 @@ def feed(cache, k, v, chunks=ODD_CHUNKS):
 
 def ref_inputs(cache, b, h):
     """The reference's inputs for batch row b, kv head h, from the cache's stored arrays."""
-    sk, sv, tiles, rk, rv = (np.array(x) if isinstance(x, mx.array) else x for x in cache.attention_view())
+    view = cache.step_view()
+    sk, sv, rk, rv = (np.array(x) for x in (view.sink_k, view.sink_v, view.recent_k, view.recent_v))
     key_tiles, value_tiles = [], []
-    if tiles is not None:
-        kw, ka, kb, kt, vw, va, vb, vc = (np.array(x.astype(mx.float32) if x.dtype != mx.uint32 else x) for x in tiles)
+    if view.tiles is not None:
+        valid = view.tiles.valid(view.n_tiles).arrays()
+        kw, ka, kb, kt, vw, va, vb, vc = (np.array(x.astype(mx.float32) if x.dtype != mx.uint32 else x) for x in valid)
         kbits, vbits = cache.config.k_bits, cache.config.v_bits
         for i in range(kw.shape[2]):
             key_tiles.append((ref.unpack(kw[b, h, i], kbits), ka[b, h, i], kb[b, h, i], kt[b, h, i]))
@@ -61,7 +63,7 @@ def reference_output(cache, q, scale, causal=True):
     """reference.attention per (batch row, kv head), assembled to [B, Hq, L, D]."""
     q = np.array(q.astype(mx.float32))
     B, Hq, L, D = q.shape
-    H = cache.attention_view()[0].shape[1]
+    H = cache.sink_k.shape[1]
     n_rep = Hq // H
     out = np.zeros((B, Hq, L, D))
     for b in range(B):
@@ -123,8 +125,9 @@ def test_packed_matches_reference(D, gqa, G, kb, vb, sink, T, L):
     q, k2, v2, K, V = step(cache, rng, 1, H * gqa, L, D)
 
     # The view: tiles quantized before this step; sink and newer tokens exactly as fed.
-    sk, sv, tiles, rk, rv = cache.attention_view()
-    assert (0 if tiles is None else tiles[0].shape[2]) == tiles_before
+    view = cache.step_view()
+    sk, sv, rk, rv = view.sink_k, view.sink_v, view.recent_k, view.recent_v
+    assert view.n_tiles == tiles_before and (view.tiles is None) == (tiles_before == 0)
     allk, allv = np.concatenate([k, k2], 2), np.concatenate([v, v2], 2)
     S, R = sk.shape[2], rk.shape[2]
     assert S + tiles_before * G + R == T + L == cache.offset
@@ -182,8 +185,7 @@ def test_half_precision_inputs(dtype):
 # -- the fallback and masks: against mx.fast SDPA over update_and_fetch's K/V ------------
 
 def _cache_with_step(rng, D=64, H=2, gqa=3, L=6, B=1, preset="k4v2_g64", sink=128, T=None):
-    cache = KVarNCache(preset) if sink is None else KVarNCache(
-        KVarNConfig(**{**vars(cache_mod.get_preset(preset)), "sink": sink}))
+    cache = KVarNCache(get_preset(preset, sink=sink))
     T = 128 + 3 * 64 + 40 if T is None else T
     k, v = kv_data(rng, B, H, T, D)
     feed(cache, k, v)
@@ -326,28 +328,28 @@ def test_patch_idempotent_and_unpatch_restores_modules():
     from mlx_lm.models import base
 
     import kvarn_mlx
-    from kvarn_mlx import attention
+    from kvarn_mlx import integration
 
     llama = importlib.import_module("mlx_lm.models.llama")
     qwen2 = importlib.import_module("mlx_lm.models.qwen2")
     try:
         kvarn_mlx.patch()
         kvarn_mlx.patch()  # idempotent: still one level of wrapping
-        assert attention.is_patched()
-        assert base.scaled_dot_product_attention is attention.scaled_dot_product_attention
-        assert llama.scaled_dot_product_attention is attention.scaled_dot_product_attention
-        assert qwen2.scaled_dot_product_attention is attention.scaled_dot_product_attention
+        assert integration.is_patched()
+        assert base.scaled_dot_product_attention is integration.scaled_dot_product_attention
+        assert llama.scaled_dot_product_attention is integration.scaled_dot_product_attention
+        assert qwen2.scaled_dot_product_attention is integration.scaled_dot_product_attention
         kvarn_mlx.unpatch()
-        assert not attention.is_patched()
-        assert base.scaled_dot_product_attention is attention._original
+        assert not integration.is_patched()
+        assert base.scaled_dot_product_attention is integration._original
         for name, mod in list(sys.modules.items()):
             if name.startswith("mlx_lm.") and hasattr(mod, "scaled_dot_product_attention"):
-                assert mod.scaled_dot_product_attention is not attention.scaled_dot_product_attention, name
+                assert mod.scaled_dot_product_attention is not integration.scaled_dot_product_attention, name
         kvarn_mlx.unpatch()  # harmless twice
-        assert llama.scaled_dot_product_attention is attention._original
+        assert llama.scaled_dot_product_attention is integration._original
     finally:
         kvarn_mlx.patch()  # the package's import-time state, for the other tests
-    assert llama.scaled_dot_product_attention is attention.scaled_dot_product_attention
+    assert llama.scaled_dot_product_attention is integration.scaled_dot_product_attention
 
 
 @pytest.mark.parametrize("name", ["llama64", "qwen2", "gemma3"])

@@ -29,9 +29,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvarn_mlx import kernels, quant
+from kvarn_mlx import dispatch, kernels, quant
 from kvarn_mlx import reference as ref
-from kvarn_mlx.attention import attend
+from kvarn_mlx.attention import attend, attend_view
+from kvarn_mlx.tiles import StepView, Tiles
 import metal_emulator
 from refcheck import ITERS, MAX_MISMATCH, SCALE_RTOL, TIE, ref_candidates, rel_err
 
@@ -64,7 +65,7 @@ def metal(**options):
 @pytest.fixture(autouse=True)
 def _fresh_backend():
     yield
-    kernels._backend = None
+    dispatch._backend = None
 
 
 # Quantization checker --------------------------------------------------------------
@@ -249,9 +250,10 @@ def _attention_reference(q, c, scale, kb, vb, causal=True):
     return out
 
 
-def _att_args(q, c, scale, kb, vb, causal=True):
-    return (q, c["sink_k"], c["sink_v"], *c["kq"], *c["vq"], c["n"], c["tail_k"], c["tail_v"],
-            scale, kb, vb, causal)
+def _att_args(q, c, scale, kb, vb, causal=True, rotate_keys=True, rotate_values=True):
+    view = StepView(c["sink_k"], c["sink_v"], Tiles(*c["kq"], *c["vq"]), c["n"], c["tail_k"], c["tail_v"],
+                    kb, vb, rotate_keys, rotate_values)
+    return q, view, scale, causal
 
 
 ATT_CASES = [
@@ -268,12 +270,9 @@ ATT_CASES = [
 ]
 
 
-def ops_attention(q, sink_k, sink_v, *rest, rotate_keys=True, rotate_values=True):
+def ops_attention(q, view, scale, causal):
     """The MLX ops path (attention.attend) on packed_attention_metal's arguments."""
-    *packed, n, tail_k, tail_v, scale, kb, vb, causal = rest
-    tiles = tuple(x[:, :, :n] for x in packed) if n else None
-    mask = "causal" if causal and q.shape[2] > 1 else None
-    return attend(q, sink_k, sink_v, tiles, tail_k, tail_v, scale, kb, vb, rotate_keys, rotate_values, mask)
+    return attend(q, view, scale, "causal" if causal and q.shape[2] > 1 else None)
 
 
 @pytest.mark.parametrize("D,G,kb,vb,n_rep,L,S,ctx,B,dtype", ATT_CASES)
@@ -303,13 +302,14 @@ def test_attention_not_causal_and_unrotated_values():
     c = _cache(rng, 1, 2, D, G, 64, 64 + 3 * 64 + 5, kb, vb, mx.float32)
     q = mx.array(rng.standard_normal((1, 4, 3, D)).astype(np.float32))
     args = _att_args(q, c, 0.125, kb, vb, causal=False)
+    args2 = _att_args(q, c, 0.125, kb, vb, causal=False, rotate_keys=False, rotate_values=False)
     want = _attention_reference(q, c, 0.125, kb, vb, causal=False)
     with metal():
         got = kernels.packed_attention_metal(*args)
-        got2 = kernels.packed_attention_metal(*args, rotate_keys=False, rotate_values=False)
+        got2 = kernels.packed_attention_metal(*args2)
         mx.eval(got, got2)
     assert np.abs(np.array(got) - want).max() <= ATT_TOL * np.abs(want).max()
-    ops2 = ops_attention(*args, rotate_keys=False, rotate_values=False)
+    ops2 = ops_attention(*args2)
     assert np.abs(np.array(got2) - np.array(ops2)).max() <= ATT_TOL * np.abs(np.array(ops2)).max()
 
 
@@ -380,21 +380,21 @@ def test_clang_address_space_lint():
 # Dispatch -------------------------------------------------------------------------------------
 
 def test_backend_switch():
-    kernels.set_backend("ops")
-    assert kernels.get_backend() == "ops" and not kernels.use_metal()
+    dispatch.set_backend("ops")
+    assert dispatch.get_backend() == "ops" and not dispatch.use_metal()
     with pytest.raises(ValueError):
-        kernels.set_backend("cuda")
-    kernels.set_backend("auto")
-    assert kernels.use_metal() == kernels.available()
+        dispatch.set_backend("cuda")
+    dispatch.set_backend("auto")
+    assert dispatch.use_metal() == dispatch.available()
     with metal():
-        assert kernels.available() and kernels.use_metal()
-        kernels.set_backend("ops")
-        assert not kernels.use_metal()
+        assert dispatch.available() and dispatch.use_metal()
+        dispatch.set_backend("ops")
+        assert not dispatch.use_metal()
 
 
 def test_env_switch_and_quiet_import():
     code = ("import logging, warnings; logging.basicConfig(level=logging.DEBUG); warnings.simplefilter('error');"
-            "import kvarn_mlx, kvarn_mlx.kernels as k; print(k.get_backend(), k.available(), k.use_metal())")
+            "import kvarn_mlx, kvarn_mlx.dispatch as k; print(k.get_backend(), k.available(), k.use_metal())")
     env = dict(os.environ, KVARN_MLX_KERNELS="ops")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
@@ -409,10 +409,10 @@ def test_env_switch_and_quiet_import():
 def test_unsupported_falls_back_once(caplog):
     rng = np.random.default_rng(9)
     x = mx.array(rng.standard_normal((2, 64, 80)).astype(np.float32))  # D = 80: not a kernel dim
-    kernels._logged.clear()
+    dispatch._logged.clear()
     with caplog.at_level(logging.WARNING, logger="kvarn_mlx.kernels"), metal():
         for _ in range(2):
-            got = kernels.quantize_keys_metal(x, 4)
+            got = dispatch.quantize_keys(x, 4)
     want = quant.quantize_keys(x, 4)
     for g, w in zip(got, want):
         assert np.array_equal(np.array(g), np.array(w))
@@ -422,7 +422,7 @@ def test_unsupported_falls_back_once(caplog):
     c = _cache(rng, 1, 1, 64, 64, 0, 200, 4, 2, mx.float32)
     q = mx.array(rng.standard_normal((1, 1, 9, 64)).astype(np.float32))
     with caplog.at_level(logging.WARNING, logger="kvarn_mlx.kernels"), metal():
-        got = kernels.packed_attention_metal(*_att_args(q, c, 0.125, 4, 2))
+        got = attend_view(q, _att_args(q, c, 0.125, 4, 2)[1], 0.125, "causal")
     want = _attention_reference(q, c, 0.125, 4, 2)
     assert np.abs(np.array(got) - want).max() <= ATT_TOL * np.abs(want).max()
     assert sum("query length 9" in r.getMessage() for r in caplog.records) == 1
@@ -430,12 +430,12 @@ def test_unsupported_falls_back_once(caplog):
 
 @pytest.mark.skipif(NATIVE, reason="only meaningful without Metal")
 def test_forced_metal_without_device_uses_ops(caplog):
-    kernels._logged.clear()
-    kernels.set_backend("metal")
+    dispatch._logged.clear()
+    dispatch.set_backend("metal")
     x = mx.array(np.random.default_rng(2).standard_normal((1, 64, 64)).astype(np.float32))
     with caplog.at_level(logging.WARNING, logger="kvarn_mlx.kernels"):
-        got = kernels.quantize_values(x, 2)
-        kernels.quantize_values(x, 2)
+        got = dispatch.quantize_values(x, 2)
+        dispatch.quantize_values(x, 2)
     want = quant.quantize_values(x, 2)
     assert all(np.array_equal(np.array(g), np.array(w)) for g, w in zip(got, want))
     assert sum("not available" in r.getMessage() for r in caplog.records) == 1
@@ -465,7 +465,7 @@ def test_greedy_generation_same_tokens_with_kernels(monkeypatch, rotate_keys):
     sys.path.insert(0, str(ROOT / "tests"))
     import models
 
-    from kvarn_mlx.cache import make_cache
+    from kvarn_mlx import make_cache
     from kvarn_mlx.config import KVarNConfig
 
     cfg = KVarNConfig(k_bits=4, v_bits=2, group_size=64, sink=32, rotate_keys=rotate_keys)
@@ -475,7 +475,7 @@ def test_greedy_generation_same_tokens_with_kernels(monkeypatch, rotate_keys):
         for layer in model.layers:
             gain = mx.ones((128, 1)).at[mx.array([3, 17, 40])].multiply(30.0)
             layer.self_attn.k_proj.weight = layer.self_attn.k_proj.weight * gain
-    kernels.set_backend("ops")
+    dispatch.set_backend("ops")
     want, gaps = _greedy(model, make_cache(model, cfg), prompt, 32)
 
     calls = {}
@@ -490,7 +490,7 @@ def test_greedy_generation_same_tokens_with_kernels(monkeypatch, rotate_keys):
 
     counted("packed_attention_metal")
     counted("_quantize_metal")
-    kernels.set_backend("auto")
+    dispatch.set_backend("auto")
     with metal():
         caches = make_cache(model, cfg)
         got, _ = _greedy(model, caches, prompt, 32)

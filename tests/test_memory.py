@@ -30,7 +30,7 @@ def test_kvarn_layer_against_its_arrays():
     c = KVarNCache(get_preset("k4v2_g128", iters=1))
     c.update_and_fetch(*kv(1, 2, 128 + 3 * 128 + 50, 64, mx.float32))
     b = layer_bytes(c)
-    assert b["held"] == c.nbytes == sum(x.nbytes for x in c._held())
+    assert b["held"] == c.nbytes == sum(x.nbytes for x in c.held_arrays())
     assert b["unused"] == c.nbytes_breakdown()["unused"] > 0
     assert b["tokens"] == c.offset == 562
     assert b["plain"] == 2 * 2 * 562 * 64 * 4
@@ -92,7 +92,7 @@ def test_saving_starts_where_measured_caches_say(config, D, dtype):
         c.update_and_fetch(*kv(1, 1, 1, D, dtype, seed=i))
         held.append(c.nbytes)
         if i % 64 == 0:
-            mx.eval(c._held())
+            mx.eval(c.held_arrays())
     plain = [2 * (i + 1) * D * dtype.size for i in range(len(held))]
     assert held[n0 - 2] >= plain[n0 - 2]
     assert all(h < p for h, p in zip(held[n0 - 1:], plain[n0 - 1:]))

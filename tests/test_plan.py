@@ -19,7 +19,7 @@ from mlx_lm.utils import _get_classes
 
 import archmodels
 from kvarn_mlx import plan
-from kvarn_mlx.cache import make_cache
+from kvarn_mlx.integration import make_cache
 from kvarn_mlx.config import PRESETS
 from models import tokens
 

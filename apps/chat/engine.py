@@ -16,7 +16,8 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from kvarn_mlx import memory, prompt_cache
-from kvarn_mlx.cache import KVarNCache, make_cache
+from kvarn_mlx.cache import KVarNCache
+from kvarn_mlx.integration import make_cache
 from kvarn_mlx.config import DEFAULT_PRESET, FP16, PRESETS
 from kvarn_mlx.loader import DEFAULT_NAME, load
 

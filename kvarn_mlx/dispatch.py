@@ -1,0 +1,113 @@
+"""Which path runs: the Metal kernels or the MLX ops path.
+
+Backend: ``KVARN_MLX_KERNELS=auto|metal|ops`` (environment) or
+``set_backend(...)``. ``auto`` uses the kernels when ``available()`` and, on a
+real device, once they pass their self-test. Input a kernel does not support
+runs on the MLX ops path, with one log line per reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import mlx.core as mx
+
+from . import kernels, quant
+from .tiles import Tiles
+
+log = logging.getLogger("kvarn_mlx.kernels")
+
+BACKENDS = ("auto", "metal", "ops")
+_backend: str | None = None  # None: read KVARN_MLX_KERNELS on first use
+_logged: set = set()
+
+
+def set_backend(name: str) -> None:
+    """Force the kernels ("metal"), the MLX ops path ("ops"), or choose ("auto")."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"backend {name!r}: use one of {BACKENDS}")
+    _backend = name
+
+
+def get_backend() -> str:
+    global _backend
+    if _backend is None:
+        env = os.environ.get("KVARN_MLX_KERNELS", "auto").strip().lower() or "auto"
+        if env not in BACKENDS:
+            _log_once(("env", env), f"KVARN_MLX_KERNELS={env!r} is not one of {BACKENDS}; using 'auto'")
+            env = "auto"
+        _backend = env
+    return _backend
+
+
+def emulated() -> bool:
+    """True while mx.fast.metal_kernel is patched by the MSL emulator (tests on Linux)."""
+    return getattr(mx.fast.metal_kernel, "__module__", "").startswith("mslemu")
+
+
+def available() -> bool:
+    """Whether Metal kernels can run: a Metal device, or the emulator patch."""
+    if emulated():
+        return True
+    try:
+        return bool(mx.metal.is_available())
+    except Exception:  # pragma: no cover - builds without the metal module
+        return False
+
+
+def use_metal() -> bool:
+    """Whether the kernels run now (the emulator skips the device self-test)."""
+    b = get_backend()
+    if b == "ops":
+        return False
+    if available():
+        return emulated() or kernels._self_test()
+    if b == "metal":
+        _log_once(("unavailable",), "KVARN_MLX_KERNELS=metal but Metal is not available here; using the MLX ops path")
+    return False
+
+
+def _log_once(key, msg):
+    if key not in _logged:
+        _logged.add(key)
+        log.warning(msg)
+
+
+def fallback(what, reason):
+    """Log once that `what` runs on the MLX ops path for `reason`."""
+    _log_once((what, reason), f"kvarn_mlx: {what} kernel does not support {reason}; using the MLX ops path")
+
+
+def _quantize(x, bits, iters, rotated, scale_dtype, keys):
+    quant.check_head_dim(x.shape[-1], bits)
+    if use_metal():
+        reason = kernels.quantize_unsupported(x, bits, iters, scale_dtype)
+        if reason is None:
+            return kernels._quantize_metal(x, bits, iters, rotated, scale_dtype, keys)
+        fallback("tile quantization", reason)
+    ops = quant.quantize_keys if keys else quant.quantize_values
+    return ops(x, bits, iters, rotated, scale_dtype)
+
+
+def quantize_keys(k, bits, iters=8, rotated=True, scale_dtype="float16"):
+    """Key tiles [..., G, D] -> (words, a, b, t): the kernel when it runs, else quant.quantize_keys."""
+    return _quantize(k, bits, iters, rotated, scale_dtype, keys=True)
+
+
+def quantize_values(v, bits, iters=8, rotated=True, scale_dtype="float16"):
+    """Value tiles [..., G, D] -> (words, a, b, c): the kernel when it runs, else quant.quantize_values."""
+    return _quantize(v, bits, iters, rotated, scale_dtype, keys=False)
+
+
+def quantize(k, v, config, rotate_k, rotate_v) -> Tiles:
+    """Full-precision tiles k, v [B, H, m, G, D] -> Tiles of m tiles.
+    rotate_k: a bool, or a bool per kv head (only those heads' keys are rotated)."""
+    c = config
+    if isinstance(rotate_k, mx.array):
+        k = quant.sanitize(k)
+        k = mx.where(rotate_k[:, None, None, None], quant.rotate(k), k)
+        rotate_k = False
+    return Tiles(*quantize_keys(k, c.k_bits, c.iters, bool(rotate_k), c.scale_dtype),
+                 *quantize_values(v, c.v_bits, c.iters, bool(rotate_v), c.scale_dtype))
