@@ -16,6 +16,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache
 
 from .attention import packed_attention
+from .batch_cache import BatchKVarNCache
 from .cache import KVarNCache
 from .config import DEFAULT_PRESET, FP16, get_preset
 
@@ -30,6 +31,8 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
     """mlx-lm's entry point, with KVarN caches routed to packed attention."""
     if isinstance(cache, KVarNCache):
         out = packed_attention(queries, cache, scale, mask, sinks)
+    elif isinstance(cache, BatchKVarNCache):
+        out = cache.attention(queries, scale, mask, sinks)
     else:
         if sinks is not None:
             kwargs["sinks"] = sinks
@@ -74,6 +77,8 @@ def is_patched():
 
 # load_prompt_cache resolves class names in mlx_lm.models.cache's globals.
 mlx_cache.KVarNCache = KVarNCache
+# mlx-lm batches sequences (BatchGenerator, its server) through type(cache).merge.
+KVarNCache.merge = classmethod(lambda cls, caches: BatchKVarNCache.merge(caches))
 
 
 def make_cache(model, preset=DEFAULT_PRESET, **overrides):

@@ -1,0 +1,249 @@
+"""BatchKVarNCache: KVarN caches of several sequences run as one mlx-lm batch.
+
+mlx-lm batches sequences of different lengths by padding them to a shared
+layout (BatchKVCache in mlx_lm/models/cache.py): row b holds its tokens in
+columns [left_padding[b], _idx), and while a right-padded prompt is processed
+(`prepare(lengths=, right_padding=)` ... `finalize()`), its new tokens end
+before the padding. This cache keeps that bookkeeping and, per row, one
+single-sequence KVarNCache holding only the row's real tokens: padding never
+enters a sink, a tile or its statistics, each sequence keeps its own sink and
+tile boundaries at its own token positions, and the tiles, quantizer and bytes
+are those of the single cache. Attention runs per row over the row's cache.
+"""
+
+import copy
+import weakref
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import _BaseCache
+
+from . import attention
+from .cache import KVarNCache
+
+# Masks this module made for full causal attention over the batch layout:
+# attention recognizes them (by identity) and runs each row causally on its
+# own tokens, which is what the row's single cache would get.
+_causal_masks = weakref.WeakValueDictionary()
+
+
+class BatchKVarNCache(_BaseCache):
+    """One KVarNCache per sequence, with mlx-lm's batch protocol on top."""
+
+    def __init__(self, rows, left_padding=None):
+        self.rows = list(rows)
+        sizes = [r.offset for r in self.rows]
+        self._idx = max(sizes, default=0)
+        # Row b's tokens sit in columns [left[b], _idx) of the batch layout.
+        self._left = [self._idx - n for n in sizes]
+        if left_padding is not None:
+            self.prepare(left_padding=left_padding)
+        self._limit = None  # per row, the column its prompt ends at while right-padded
+        self._spans = None  # per row, the query positions [s, e) of the last update that were its own
+        self._v_dim = None
+
+    @classmethod
+    def merge(cls, caches):
+        """A batch of copies of the single caches (no data is copied; the
+        caches passed in are left as they are)."""
+        for c in caches:
+            if not isinstance(c, KVarNCache):
+                raise TypeError(f"BatchKVarNCache.merge takes KVarNCaches, got {type(c).__name__}")
+        return cls([_detached(c) for c in caches])
+
+    # -- the batch layout -------------------------------------------------------
+
+    @property
+    def left_padding(self):
+        return mx.array(self._left)
+
+    @property
+    def offset(self):
+        """Per row, the position of the next token (RoPE reads this)."""
+        return mx.array([self._idx - lp for lp in self._left])
+
+    def size(self):
+        return self._idx
+
+    def empty(self):
+        return all(r.empty() for r in self.rows)
+
+    def is_trimmable(self):
+        return True
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        if left_padding is not None:
+            if not self.empty():
+                raise ValueError("left padding can only be added to an empty BatchKVarNCache")
+            self._left = [lp + int(p) for lp, p in zip(self._left, _ints(left_padding))]
+        if right_padding is not None and max(_ints(right_padding), default=0) > 0:
+            if lengths is None:
+                raise ValueError("prepare(right_padding=...) needs lengths= (each row's new tokens)")
+            self._limit = [self._idx + int(n) for n in _ints(lengths)]
+
+    def finalize(self):
+        """After a right-padded prompt: each row's padding becomes left padding
+        (bookkeeping only; the padding never reached the rows' caches)."""
+        if self._limit is not None:
+            self._left = [lp + self._idx - end for lp, end in zip(self._left, self._limit)]
+            self._limit = None
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        mask = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, window_size=window_size)
+        if window_size is None:
+            _causal_masks[id(mask)] = mask
+        return mask
+
+    # -- writing ------------------------------------------------------------------
+
+    def update_and_fetch(self, keys, values):
+        """Each row's real tokens into its own cache. Returns the keys and values
+        of the whole batch layout [B, H, _idx, D], dequantized lazily (zeros in
+        padding) for code that bypasses the patched attention entry point."""
+        B, H, L, _ = keys.shape
+        if B != len(self.rows):
+            raise ValueError(f"this BatchKVarNCache holds {len(self.rows)} sequences; got keys of batch {B}")
+        prev = self._idx
+        self._idx += L
+        self._v_dim = values.shape[-1]
+        self._spans, fetched = [], []
+        for b, row in enumerate(self.rows):
+            end = self._idx if self._limit is None else min(self._idx, self._limit[b])
+            s, e = max(prev, self._left[b]) - prev, max(end, prev) - prev
+            e = max(s, e)
+            self._spans.append((s, e))
+            if e > s:
+                fetched.append(row.update_and_fetch(keys[b : b + 1, :, s:e], values[b : b + 1, :, s:e]))
+            else:
+                fetched.append(None if row.empty() else row.dequantized())
+        k, v = (mx.concatenate([self._in_layout(b, f, i, x) for b, f in enumerate(fetched)])
+                for i, x in ((0, keys), (1, values)))
+        # Each updated row's step (its new tokens in full precision) lives as
+        # long as the arrays its cache returned: as long as these.
+        weakref.finalize(k, _keep_alive, fetched)
+        return k, v
+
+    def _in_layout(self, b, fetched, i, like):
+        """Row b's keys (i=0) or values (i=1) padded to the batch layout [1, H, _idx, D]."""
+        H, D = like.shape[1], like.shape[3]
+        if fetched is None:
+            return mx.zeros((1, H, self._idx, D), like.dtype)
+        x = fetched[i].astype(like.dtype)
+        lp = self._left[b]
+        return mx.pad(x, [(0, 0), (0, 0), (lp, self._idx - lp - x.shape[2]), (0, 0)])
+
+    def trim(self, n):
+        n = max(0, min(self._idx, n))
+        for row in self.rows:
+            row.trim(n)
+        self._idx -= n
+        self._left = [self._idx - r.offset for r in self.rows]
+        self._spans = None
+        return n
+
+    # -- attention ----------------------------------------------------------------
+
+    def attention(self, queries, scale, mask=None, sinks=None):
+        """Packed attention per row over its own cache, for the query positions
+        that were the row's own tokens in the last update; zeros elsewhere
+        (padding positions, whose outputs mlx-lm discards)."""
+        B, Hq, L, _ = queries.shape
+        if self._spans is None or len(self._spans) != B:
+            raise RuntimeError("BatchKVarNCache.attention runs right after update_and_fetch")
+        causal = mask is None or isinstance(mask, str) or _causal_masks.get(id(mask)) is mask
+        zeros = mx.zeros((1, Hq, L, self._v_dim), queries.dtype)
+        out = []
+        for b, (row, (s, e)) in enumerate(zip(self.rows, self._spans)):
+            if e == s:
+                out.append(zeros)
+                continue
+            if causal:
+                m = "causal" if e - s > 1 else None
+            else:
+                m = self._row_mask(mask, b, s, e)
+            o = attention.packed_attention(queries[b : b + 1, :, s:e], row, scale, m, sinks)
+            out.append(mx.pad(o, [(0, 0), (0, 0), (s, L - e), (0, 0)]) if e - s < L else o)
+        return mx.concatenate(out, axis=0)
+
+    def _row_mask(self, mask, b, s, e):
+        """Row b's part of a mask over the batch layout: its queries [s, e) and
+        the columns of its own tokens."""
+        lp = self._left[b]
+        mask = mask[b : b + 1] if mask.shape[0] > 1 else mask
+        mask = mask[..., s:e, :] if mask.shape[-2] > 1 else mask
+        return mask[..., lp : lp + self.rows[b].offset]
+
+    # -- moving sequences ---------------------------------------------------------
+
+    def filter(self, batch_indices):
+        """Keep the given rows (in that order), then drop the left padding they all share."""
+        idx = _ints(batch_indices)
+        self.rows = [self.rows[i] for i in idx]
+        self._left = [self._left[i] for i in idx]
+        if self._limit is not None:
+            self._limit = [self._limit[i] for i in idx]
+        self._spans = None
+        shift = min(self._left, default=0)
+        if shift > 0:
+            self._left = [lp - shift for lp in self._left]
+            self._idx -= shift
+            if self._limit is not None:
+                self._limit = [end - shift for end in self._limit]
+
+    def extend(self, other):
+        """Append the rows of another batch (right-aligned at the longer write position)."""
+        if (self._limit is None) != (other._limit is None):
+            raise ValueError("cannot join a batch in the middle of a right-padded prompt with one that is not")
+        idx = max(self._idx, other._idx)
+        left = [lp + idx - self._idx for lp in self._left] + [lp + idx - other._idx for lp in other._left]
+        if self._limit is not None:
+            self._limit = [end + idx - self._idx for end in self._limit] + [
+                end + idx - other._idx for end in other._limit]
+        self.rows = self.rows + other.rows
+        self._left, self._idx = left, idx
+        self._spans = None
+        self._v_dim = self._v_dim or other._v_dim
+
+    def extract(self, idx):
+        """Sequence idx as its own KVarNCache (a copy: the batch goes on without it)."""
+        return _detached(self.rows[idx])
+
+    # -- bytes and state ----------------------------------------------------------
+
+    @property
+    def nbytes(self):
+        return sum(r.nbytes for r in self.rows)
+
+    @property
+    def state(self):
+        return {"rows": [r.state for r in self.rows], "left_padding": list(self._left), "idx": self._idx}
+
+    @state.setter
+    def state(self, s):
+        rows = []
+        for rs in s["rows"]:
+            row = KVarNCache.__new__(KVarNCache)
+            row.state = rs
+            rows.append(row)
+        self.__init__(rows)
+        self._left = [int(x) for x in _ints(s["left_padding"])]
+        self._idx = int(s["idx"])
+        if any(self._idx - lp != r.offset for lp, r in zip(self._left, self.rows)):
+            raise ValueError("corrupt BatchKVarNCache state: padding and row token counts disagree")
+
+
+def _detached(cache):
+    """A copy of a KVarNCache that shares no array object with it. MLX arrays
+    are immutable values under their Python handles: deepcopy copies handles,
+    not data, and in-place updates of one copy leave the other as it was."""
+    c = copy.deepcopy(cache)
+    c._step = None  # the step of the cache copied from, not this one's
+    return c
+
+
+def _ints(x):
+    return x.tolist() if isinstance(x, mx.array) else list(x)
+
+
+def _keep_alive(*_):
+    """Finalizer callback: its arguments live exactly as long as the finalized object."""

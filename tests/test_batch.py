@@ -1,0 +1,423 @@
+"""KVarN caches in mlx-lm's batch protocol: BatchKVarNCache (merge, prepare,
+finalize, filter, extend, extract, trim, state), batch_generate and
+BatchGenerator against each sequence generated alone.
+
+The cache tests feed random keys and values and compare every row with a
+single KVarNCache fed only that row's tokens, in the same chunks: the two must
+be bit-identical. Model tests use the tiny random-weight models of
+tests/models.py; the embedded model's run is marked slow.
+"""
+
+import contextlib
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import BatchGenerator, batch_generate, stream_generate
+
+import kvarn_mlx
+from kvarn_mlx import attention, dispatch
+from kvarn_mlx.batch_cache import BatchKVarNCache
+from kvarn_mlx.cache import KVarNCache
+from kvarn_mlx.config import KVarNConfig
+from kvarn_mlx.integration import make_cache
+from models import tiny_model, tokenizer, tokens
+
+CFG = KVarNConfig(k_bits=4, v_bits=2, group_size=64, sink=16)
+H, D, HQ = 2, 64, 4
+SCALE = D**-0.5
+NEAR_TIE = 1e-3
+
+
+def randn(*shape, seed):
+    return mx.random.normal(shape, key=mx.random.key(seed))
+
+
+class Run:
+    """A BatchKVarNCache and, per row, a single KVarNCache fed the same real tokens."""
+
+    def __init__(self, prefixes, seed=0):
+        self.singles = []
+        for i, n in enumerate(prefixes):
+            c = KVarNCache(CFG)
+            if n:
+                c.update_and_fetch(randn(1, H, n, D, seed=seed + i), randn(1, H, n, D, seed=seed + 50 + i))
+            self.singles.append(c)
+        self.batch = BatchKVarNCache.merge(self.singles)  # copies: the singles go on alone
+        self.seed = seed + 100
+
+    def step(self, spans):
+        """One update of the batch: spans[b] = (start, end) of row b's real tokens
+        among this step's columns (the rest is padding, filled with huge values).
+        Returns the batch attention output and each single's output."""
+        B, L = len(spans), max(e for _, e in spans)
+        self.seed += 1
+        k, v = randn(B, H, L, D, seed=self.seed) * 3, randn(B, H, L, D, seed=self.seed + 1000)
+        q = randn(B, HQ, L, D, seed=self.seed + 2000)
+        real = np.zeros((B, 1, L, 1), bool)
+        for b, (s, e) in enumerate(spans):
+            real[b, :, s:e] = True
+        k, v = (mx.where(mx.array(real), x, 1e4) for x in (k, v))
+        mask = self.batch.make_mask(L)
+        self.batch.update_and_fetch(k, v)
+        got = self.batch.attention(q, SCALE, mask)
+        want = []
+        for b, (s, e) in enumerate(spans):
+            if e == s:
+                want.append(None)
+                continue
+            self.singles[b].update_and_fetch(k[b : b + 1, :, s:e], v[b : b + 1, :, s:e])
+            want.append(attention.packed_attention(q[b : b + 1, :, s:e], self.singles[b], SCALE,
+                                                   "causal" if e - s > 1 else None))
+        mx.eval(got, [w for w in want if w is not None])
+        for b, (s, e) in enumerate(spans):
+            row = np.array(got[b])
+            assert not row[:, :s].any() and not row[:, e:].any(), f"row {b}: padding positions are not zero"
+            if want[b] is not None:
+                np.testing.assert_array_equal(row[:, s:e], np.array(want[b][0]), err_msg=f"row {b}")
+        return got
+
+    def prompt(self, lengths, chunk=None):
+        """A right-padded prompt as PromptProcessingBatch.prompt runs it."""
+        L = max(lengths)
+        self.batch.prepare(lengths=lengths, right_padding=[L - n for n in lengths])
+        chunk = chunk or L
+        for c0 in range(0, L, chunk):
+            c1 = min(L, c0 + chunk)
+            self.step([(0, max(0, min(n, c1) - c0)) for n in lengths])
+        self.batch.finalize()
+
+    def decode(self, n=1):
+        for _ in range(n):
+            self.step([(0, 1)] * len(self.batch.rows))
+
+    def check(self):
+        """Every row's extracted cache equals its single cache; the bookkeeping agrees."""
+        b = self.batch
+        assert b.offset.tolist() == [c.offset for c in self.singles]
+        assert b.left_padding.tolist() == [b.size() - c.offset for c in self.singles]
+        for i, c in enumerate(self.singles):
+            assert_same_cache(b.extract(i), c)
+        assert b.nbytes == sum(c.nbytes for c in self.singles)
+
+
+def assert_same_cache(a, b, held=True):
+    assert isinstance(a, KVarNCache) and type(a) is type(b)
+    sa, sb = a.state, b.state
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        x, y = sa[name], sb[name]
+        if isinstance(x, mx.array):
+            np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=name)
+        else:
+            assert x == y, name
+    if held:
+        assert a.nbytes == b.nbytes
+
+
+# -- the cache --------------------------------------------------------------------------
+
+
+def test_rows_keep_their_own_tokens_sinks_and_tiles():
+    # Prefixes of different lengths (prefix reuse), a right-padded prompt in two
+    # chunks with tiles quantized in the middle of it, then decode steps across
+    # tile boundaries: every row equals a cache built from its tokens alone.
+    run = Run([70, 0, 5])
+    assert run.batch.left_padding.tolist() == [0, 70, 65] and run.batch.size() == 70
+    run.prompt([30, 140, 3], chunk=100)
+    run.check()
+    assert [c.n_tiles for c in run.singles] == [1, 1, 0]
+    run.decode(75)
+    run.check()
+    assert [c.n_tiles for c in run.singles] == [2, 3, 1]
+
+
+def test_filter_extend_extract_move_tiles_without_quantizing(monkeypatch):
+    run = Run([200, 90, 150])
+    other = Run([10, 300], seed=7)
+
+    def no_quantizing(*args, **kwargs):
+        raise AssertionError("tiles were quantized again")
+
+    monkeypatch.setattr(dispatch, "_quantize", no_quantizing)
+    run.batch.filter([2, 0])
+    assert run.batch.left_padding.tolist() == [50, 0] and run.batch.size() == 200
+    run.batch.extend(other.batch)
+    assert run.batch.left_padding.tolist() == [150, 100, 290, 0] and run.batch.size() == 300
+    run.singles = [run.singles[2], run.singles[0], *other.singles]
+    run.check()
+    run.batch.filter([0, 2])  # the two shortest: their common padding is dropped
+    assert run.batch.left_padding.tolist() == [0, 140] and run.batch.size() == 150
+    run.singles = [run.singles[0], run.singles[2]]
+    run.check()
+    monkeypatch.undo()
+    run.decode(3)  # goes on exactly
+    run.check()
+
+
+def test_extract_is_independent_of_the_batch():
+    run = Run([100, 40])
+    got = run.batch.extract(1)
+    saved = got.state
+    run.decode(30)  # the batch row fills its tail in place
+    for name, x in got.state.items():
+        if isinstance(x, mx.array):
+            np.testing.assert_array_equal(np.array(x), np.array(saved[name]), err_msg=name)
+    # and the extracted cache goes on like the row's single cache did before those steps
+    assert got.offset == 40
+
+
+def test_merge_leaves_its_caches_alone():
+    c = KVarNCache(CFG)
+    c.update_and_fetch(randn(1, H, 20, D, seed=1), randn(1, H, 20, D, seed=2))
+    saved = c.state
+    b = BatchKVarNCache.merge([c, KVarNCache(CFG)])
+    b.update_and_fetch(randn(2, H, 5, D, seed=3), randn(2, H, 5, D, seed=4))
+    assert c.offset == 20
+    np.testing.assert_array_equal(np.array(c.state["tail_k"]), np.array(saved["tail_k"]))
+
+
+def test_empty_batches_and_left_padding():
+    b = BatchKVarNCache.merge([])
+    assert b.empty() and b.size() == 0 and b.nbytes == 0 and b.offset.tolist() == []
+    run = Run([0, 0, 0])
+    assert run.batch.empty() and run.batch.nbytes == 0
+    run.batch.prepare(left_padding=[3, 0, 8])
+    assert run.batch.offset.tolist() == [-3, 0, -8]
+    run.step([(3, 10), (0, 10), (8, 10)])
+    run.check()
+    with pytest.raises(ValueError, match="empty"):
+        run.batch.prepare(left_padding=[1, 1, 1])
+    with pytest.raises(ValueError, match="lengths"):
+        run.batch.prepare(right_padding=[1, 0, 0])
+
+
+def test_mask_is_mlx_lms_causal_mask_with_left_padding():
+    from mlx_lm.models.cache import BatchKVCache
+
+    run = Run([30, 12])
+    plain = BatchKVCache([0, 18])
+    plain.update_and_fetch(mx.zeros((2, H, 30, D)), mx.zeros((2, H, 30, D)))
+    for N in (1, 5):
+        np.testing.assert_array_equal(np.array(run.batch.make_mask(N)), np.array(plain.make_mask(N)))
+    assert run.batch.offset.tolist() == plain.offset.tolist()
+
+
+def test_an_array_mask_of_another_origin_is_applied_per_row():
+    # A mask the model built itself (here: the causal mask made by hand) is cut per
+    # row; the result equals the recognized causal mask's.
+    run = Run([40, 7])
+    k, v = randn(2, H, 6, D, seed=5), randn(2, H, 6, D, seed=6)
+    q = randn(2, HQ, 6, D, seed=7)
+    from mlx_lm.models.base import create_causal_mask
+
+    mask = create_causal_mask(6, offset=40, left_padding=run.batch.left_padding)
+    run.batch.update_and_fetch(k, v)
+    got = run.batch.attention(q, SCALE, mask)
+    want = run.batch.attention(q, SCALE, None)  # None: each row causal on its own tokens
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-6)
+
+
+def test_fallback_keys_and_values_are_in_the_batch_layout():
+    run = Run([50, 20])
+    run.prompt([10, 3])
+    k, v = run.batch.update_and_fetch(randn(2, H, 1, D, seed=8), randn(2, H, 1, D, seed=9))
+    assert k.shape == (2, H, 61, D)
+    for b, lp in enumerate(run.batch.left_padding.tolist()):
+        row_k, row_v = run.batch.rows[b].dequantized()
+        assert not np.array(k[b, :, :lp]).any()
+        np.testing.assert_array_equal(np.array(k[b, :, lp:]), np.array(row_k[0]))
+        np.testing.assert_array_equal(np.array(v[b, :, lp:]), np.array(row_v[0]))
+
+
+def test_trim():
+    run = Run([100, 30])
+    run.decode(5)
+    assert run.batch.trim(10) == 10
+    for c in run.singles:
+        c.trim(10)
+    run.check()
+    assert run.batch.trim(50) == 50  # the short row is emptied
+    for c in run.singles:
+        c.trim(50)
+    assert run.batch.offset.tolist() == [45, 0] and run.batch.left_padding.tolist() == [0, 45]
+    run.decode(2)
+    run.check()
+
+
+def test_state_round_trip():
+    run = Run([100, 30])
+    run.prompt([5, 20])
+    again = BatchKVarNCache.from_state(run.batch.state)
+    assert again.left_padding.tolist() == run.batch.left_padding.tolist() and again.size() == run.batch.size()
+    for a, b in zip(again.rows, run.batch.rows):
+        assert_same_cache(a, b, held=False)  # a state holds no preallocated room
+    mx.eval(run.batch.state)  # mlx-lm evaluates the state of batch caches
+    bad = run.batch.state
+    bad["idx"] += 1
+    with pytest.raises(ValueError, match="corrupt"):
+        BatchKVarNCache.from_state(bad)
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="KVarNCache"):
+        BatchKVarNCache.merge([KVarNCache(CFG), object()])
+    run = Run([10, 10])
+    with pytest.raises(ValueError, match="2 sequences"):
+        run.batch.update_and_fetch(randn(3, H, 1, D, seed=1), randn(3, H, 1, D, seed=2))
+
+
+# -- with mlx-lm ----------------------------------------------------------------------
+
+
+def alone(model, tok, prompt, n, cache, **kwargs):
+    """Greedy tokens of the prompt generated alone into cache, and the top-two
+    logit gap at each step."""
+    out, gaps = [], []
+    for g in stream_generate(model, tok, prompt, max_tokens=n, prompt_cache=cache, **kwargs):
+        if g.finish_reason == "stop":  # batch_generate leaves the stop token out
+            break
+        top = mx.topk(g.logprobs, 2)
+        out.append(g.token)
+        gaps.append(float(top.max() - top.min()))
+    return out, gaps
+
+
+def near_ties(single, gaps, batched):
+    """1 if the sequences part at a near tie of the single run (tokens after
+    that are not comparable), 0 if they are equal; anything else fails."""
+    for i, (a, b) in enumerate(zip(single, batched)):
+        if a != b:
+            assert gaps[i] < NEAR_TIE, f"token {i}: {a} alone, {b} batched, top-two gap {gaps[i]:.2e}"
+            return 1
+    assert len(single) == len(batched)
+    return 0
+
+
+def assert_like_alone(caches, single, tie):
+    """The batch's returned caches are KVarNCaches like the single run's: same
+    bytes and tiles, and (unless the tokens parted) the same contents up to the
+    float noise of batched matmuls (a code may flip at a rounding tie)."""
+    assert [type(c) for c in caches] == [type(c) for c in single]
+    kv = [(a, b) for a, b in zip(caches, single) if isinstance(a, KVarNCache)]
+    assert kv
+    if tie:
+        return
+    for a, b in kv:  # (mlx-lm's own batch caches may extract with other preallocated room)
+        assert a.nbytes == b.nbytes
+        assert (a.offset, a.n_tiles, a.n_tail) == (b.offset, b.n_tiles, b.n_tail)
+        for x, y in zip(a.dequantized(), b.dequantized()):
+            x, y = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
+            assert np.linalg.norm(x - y) <= 1e-2 * np.linalg.norm(y)
+
+
+def check_against_alone(model, tok, prompts, make, n, **kwargs):
+    """batch_generate over the prompts against each prompt alone; the number of near ties."""
+    r = batch_generate(model, tok, prompts, prompt_caches=[make() for _ in prompts], max_tokens=n,
+                       return_prompt_caches=True, return_token_ids=True, **kwargs)
+    ties = 0
+    for p, got, caches in zip(prompts, r.token_ids, r.caches):
+        single = make()
+        want, gaps = alone(model, tok, p, n, single)
+        tie = near_ties(want, gaps, got)
+        assert_like_alone(caches, single, tie)
+        ties += tie
+    return ties
+
+
+@pytest.mark.parametrize("name,preset", [("llama64", CFG), ("qwen2", "auto4v2"), ("gemma3", CFG)])
+def test_batch_generate_equals_each_prompt_alone(name, preset):
+    model, tok = tiny_model(name), tokenizer()
+    prompts = [[t % 255 for t in tokens(n, seed=i)] for i, n in enumerate([20, 100, 170, 300])]
+    sink = dict(sink=16) if isinstance(preset, str) else {}
+    ties = check_against_alone(model, tok, prompts, lambda: make_cache(model, preset, **sink), 40)
+    assert ties <= 1
+
+
+def test_batch_generator_with_sequences_joining_and_leaving():
+    # Continuous batching: sequences join a running batch (extend), finish at
+    # different lengths (filter), one starts from a cache holding its prefix.
+    model, tok = tiny_model("llama64"), tokenizer()
+    make = lambda: make_cache(model, CFG)
+    prompts = [[t % 255 for t in tokens(n, seed=10 + i)] for i, n in enumerate([150, 30, 90, 250])]
+    lengths = [30, 12, 45, 20]
+    prefix = make()
+    model(mx.array(prompts[3][:140])[None], cache=prefix)
+    inputs = prompts[:3] + [prompts[3][140:]]
+    starts = [make(), make(), make(), prefix]
+    singles = [make(), make(), make(), copy.deepcopy(prefix)]
+
+    gen = BatchGenerator(model, stop_tokens=[[tok.eos_token_id]], prefill_step_size=64)
+    uids = gen.insert(inputs[:2], max_tokens=lengths[:2], caches=starts[:2])
+    out = {u: [] for u in uids}
+    for _ in range(8):
+        for r in gen.next_generated():
+            out[r.uid].append(r.token)
+    uids += gen.insert(inputs[2:], max_tokens=lengths[2:], caches=starts[2:])
+    out.update({u: [] for u in uids[2:]})
+    caches = {}
+    while responses := gen.next_generated():
+        for r in responses:
+            out[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                caches[r.uid] = r.prompt_cache
+    gen.close()
+    for p, n, u, single in zip(inputs, lengths, uids, singles):
+        want, gaps = alone(model, tok, p, n, single, prefill_step_size=64)
+        assert_like_alone(caches[u], single, near_ties(want, gaps, out[u]))
+
+
+def test_without_the_patch_the_dequantized_keys_serve():
+    # Models that call mx.fast.scaled_dot_product_attention directly get the
+    # batch layout of dequantized keys and values with the batch mask.
+    model, tok = tiny_model("llama64"), tokenizer()
+    prompts = [[t % 255 for t in tokens(n, seed=20 + i)] for i, n in enumerate([40, 130])]
+    make = lambda: make_cache(model, CFG)
+    kvarn_mlx.unpatch()
+    try:
+        ties = check_against_alone(model, tok, prompts, make, 20)
+    finally:
+        kvarn_mlx.patch()
+    assert ties == 0
+
+
+@pytest.mark.slow
+def test_batch_generate_on_the_embedded_model(smollm):
+    from kvarn_mlx.eval.runner import load_text
+
+    model, tok = smollm
+    ids = tok.encode(load_text("topics"))
+    prompts = [ids[s : s + n] for s, n in ((0, 20), (3000, 300), (6000, 700), (9000, 1500))]
+    ties = check_against_alone(model, tok, prompts, lambda: make_cache(model), 64)
+    print(f"near ties: {ties} of {len(prompts)} prompts")
+
+
+def test_metal_kernels_run_per_row(monkeypatch):
+    # The rows' decode steps reach the Metal attention kernel (a device, or the MSL
+    # emulator on Linux) and give the ops path's tokens.
+    import metal_emulator
+    from kvarn_mlx import kernels
+
+    mslemu = None if metal_emulator.NATIVE else metal_emulator.load()
+    if not metal_emulator.NATIVE and mslemu is None:
+        pytest.skip(metal_emulator.SKIP_REASON)
+    model, tok = tiny_model("llama64"), tokenizer()
+    prompts = [[t % 255 for t in tokens(n, seed=31 + i)] for i, n in enumerate([90, 110])]
+    make = lambda: make_cache(model, CFG)
+    monkeypatch.setattr(dispatch, "_backend", "ops")
+    want = batch_generate(model, tok, prompts, prompt_caches=[make() for _ in prompts], max_tokens=12,
+                          return_token_ids=True).token_ids
+    calls = []
+    kernel = kernels.packed_attention_metal
+    monkeypatch.setattr(kernels, "packed_attention_metal", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(dispatch, "_backend", "auto")
+    with contextlib.ExitStack() as stack:
+        if mslemu is not None:
+            stack.enter_context(mslemu.patch_mlx())
+            stack.enter_context(mslemu.options_scope(lint="0"))
+        got = batch_generate(model, tok, prompts, prompt_caches=[make() for _ in prompts], max_tokens=12,
+                             return_token_ids=True).token_ids
+    assert [len(g) for g in got] == [12, 12]
+    assert len(calls) >= 2 * 2 * 11  # two layers, two rows (each with a tile), the decode steps
+    assert got == want
