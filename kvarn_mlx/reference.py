@@ -1,7 +1,7 @@
 """numpy reference for KVarN: the oracle every other path is tested against.
 
-Each function follows KVARN_SPEC.md; section numbers are given. Arithmetic is
-float32 (as the MLX paths use) unless a function says otherwise.
+Each function follows docs/algorithm.md (its sections are named in the headings
+below). Arithmetic is float32 (as the MLX paths use) unless a function says otherwise.
 """
 
 import numpy as np
@@ -190,20 +190,26 @@ def quantize_value_tile(v, bits, iters=8):
     return quantize_tile(M, bits, iters)
 
 
-# 7. Packing: LSB-first into uint32 words, along the last axis -----------------
+# 7. Packing: one LSB-first bitstream per row, in uint32 words ------------------
 
 def pack(code, bits):
-    per_word = 32 // bits
-    c = code.astype(np.uint32).reshape(*code.shape[:-1], -1, per_word)
-    shifts = (np.arange(per_word, dtype=np.uint32) * bits)
-    return np.bitwise_or.reduce(c << shifts, axis=-1)
+    """Codes [..., C] (each < 2^bits) -> words [..., C*bits/32]: code i of a row
+    takes bits [i*bits, i*bits + bits) of the row's bitstream, bit j of the
+    stream is bit j % 32 of word j // 32 (mx.quantize's layout; a 3-, 5- or
+    6-bit code may straddle two words)."""
+    C = code.shape[-1]
+    if (C * bits) % 32:
+        raise ValueError(f"{C} codes of {bits} bits do not fill whole uint32 words (C*bits must be a multiple of 32)")
+    c = code.astype(np.uint32)
+    stream = (c[..., None] >> np.arange(bits, dtype=np.uint32)) & np.uint32(1)
+    stream = stream.reshape(*code.shape[:-1], -1, 32)
+    return np.bitwise_or.reduce(stream << np.arange(32, dtype=np.uint32), axis=-1)
 
 
 def unpack(words, bits):
-    per_word = 32 // bits
-    shifts = (np.arange(per_word, dtype=np.uint32) * bits)
-    c = (words[..., None] >> shifts) & np.uint32(2**bits - 1)
-    return c.reshape(*words.shape[:-1], -1).astype(np.uint8)
+    stream = (words[..., None] >> np.arange(32, dtype=np.uint32)) & np.uint32(1)
+    stream = stream.reshape(*words.shape[:-1], -1, bits)
+    return np.bitwise_or.reduce(stream << np.arange(bits, dtype=np.uint32), axis=-1).astype(np.uint8)
 
 
 # Attention over a packed cache (one kv head) ---------------------------------
