@@ -6,7 +6,6 @@ second model is loaded. Waits are on conditions, with generous timeouts.
 """
 
 import contextlib
-import socket
 import threading
 import time
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.chat_server import TIMEOUT, chat_worker, post, serve, user, wait_for
+from chat_server import TIMEOUT, chat_worker, post, serve, user, wait_for
 
 from apps.chat.server import create_app  # noqa: E402
 

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.chat_server import MODEL, chat_worker, port_of, post, serve, user, wait_for
+from chat_server import MODEL, chat_worker, port_of, post, serve, user, wait_for
 
 hypothesis = pytest.importorskip("hypothesis", reason="the fuzz test needs the 'test' extra: pip install -e '.[test]'")
 import httpx  # noqa: E402

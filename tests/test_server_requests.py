@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from tests.chat_server import MODEL, chat_worker, port_of, post, read_response, serve, user
+from chat_server import MODEL, chat_worker, port_of, post, read_response, serve, user
 
 import httpx  # noqa: E402
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chat_server import MODEL, chat_worker, port_of, post, serve, user
+from chat_server import MODEL, chat_worker, port_of, post, serve, user
 
 import httpx  # noqa: E402  (chat_server skipped the module already if it is missing)
 

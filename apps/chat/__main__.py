@@ -12,7 +12,6 @@ from kvarn_mlx.loader import home
 
 from .engine import PRESET_NAMES
 
-
 API_KEY_ENV = "KVARN_CHAT_API_KEY"
 
 
@@ -32,8 +31,8 @@ def parse_args(argv=None):
                    help="address to bind (default 127.0.0.1). Anything else makes the API reachable from the "
                         "network: set --api-key")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require `Authorization: Bearer KEY` on every endpoint (default: ${API_KEY_ENV}). "
-                        "The page asks for the key and keeps it for the browser tab")
+                   help=f"require `Authorization: Bearer KEY` on every endpoint (default: ${API_KEY_ENV}, which keeps "
+                        "the key out of the process list). The page asks for it and keeps it for the browser tab")
     p.add_argument("--allowed-hosts", type=names, default=[],
                    help="comma-separated Host names to answer besides localhost names and the bound address "
                         "(a LAN name, a reverse proxy's name; * for any)")
