@@ -1,0 +1,308 @@
+"""python -m kvarn_mlx.server: mlx-lm's OpenAI-compatible server on KVarN caches.
+
+This runs mlx_lm.server itself (its flags, endpoints and behaviour: chat and
+text completions, streaming, tools, stop words, logprobs, batching, the LRU
+prompt cache), with:
+- every KV cache it makes built by kvarn_mlx.make_cache (--kv-preset, --kv-sink);
+  KVarN caches merge into batches, so requests are batched;
+- the embedded default model when --model is omitted;
+- GET /v1/kv_stats: KV bytes held by live requests and by the prompt cache,
+  next to what mlx-lm's plain cache would hold for the same tokens;
+- kvarn_mlx.guard's rules on every request: a Host this server answers to
+  (DNS rebinding), JSON bodies only, no POST from other web pages' Origins
+  unless --allowed-origins lists them (default: none), and --api-key.
+
+--prompt-cache-bytes is mlx-lm's flag: it counts `nbytes`, the bytes the
+KVarN caches really hold, so the same budget keeps more prefixes.
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import weakref
+
+import mlx.core as mx
+import mlx_lm.server as mlx_server
+from mlx_lm.models.cache import LRUPromptCache
+
+from . import guard, memory
+from .batch_cache import BatchKVarNCache
+from .config import DEFAULT_PRESET, PRESETS, get_preset
+from .integration import make_cache
+
+STATS_PATH = "/v1/kv_stats"
+API_KEY_ENV = "KVARN_API_KEY"
+
+# What the stats read is changed by the generation thread: every change and
+# every reading holds this lock.
+_lock = threading.RLock()
+_generators = weakref.WeakSet()  # live BatchGenerators
+_single = []  # the cache of a request served alone (not batchable), while it runs
+_prompt_caches = weakref.WeakSet()
+# Prompt tokens of requests that the model runs (those the prompt cache held are not).
+_counts = {"prompt_tokens": 0}
+
+
+# -- caches ---------------------------------------------------------------------------
+
+
+def cache_factory(preset, sink=None):
+    """mlx-lm's make_prompt_cache(model, max_kv_size=None), building KVarN caches."""
+    config = get_preset(preset, sink=sink)
+
+    def make_prompt_cache(model, max_kv_size=None):
+        if max_kv_size is not None:
+            raise ValueError("KVarN caches have no maximum size (max_kv_size); leave it unset")
+        return make_cache(model, config)
+
+    return make_prompt_cache
+
+
+class BatchGenerator(mlx_server.BatchGenerator):
+    """mlx-lm's BatchGenerator, changed under the stats lock and seen by the stats."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _generators.add(self)
+
+    def insert_segments(self, segments, *args, **kwargs):
+        with _lock:
+            uids = super().insert_segments(segments, *args, **kwargs)
+            _counts["prompt_tokens"] += sum(len(s) for seq in segments for s in seq)
+            return uids
+
+    def remove(self, *args, **kwargs):
+        with _lock:
+            return super().remove(*args, **kwargs)
+
+    def next(self):
+        with _lock:
+            return super().next()
+
+    def live_caches(self):
+        """The cache of every sequence it holds: single caches, or batch caches with their row count."""
+        out = [(p[3], 1) for p in self._unprocessed_sequences]
+        for batch in (self._prompt_batch, self._generation_batch):
+            if batch.prompt_cache:
+                out.append((batch.prompt_cache, len(batch)))
+        return out
+
+
+class PromptCache(LRUPromptCache):
+    """mlx-lm's LRU of prompt caches, changed under the stats lock."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _prompt_caches.add(self)
+
+    def fetch_nearest_cache(self, *args, **kwargs):
+        with _lock:
+            return super().fetch_nearest_cache(*args, **kwargs)
+
+    def insert_cache(self, *args, **kwargs):
+        with _lock:
+            return super().insert_cache(*args, **kwargs)
+
+    def trim_to(self, *args, **kwargs):
+        with _lock:
+            return super().trim_to(*args, **kwargs)
+
+    def entries(self):
+        return [self._trie.get(model, tokens).prompt_cache
+                for lru in self._lru._lrus.values() for model, tokens in lru]
+
+
+def stream_generate(*args, prompt_cache=None, **kwargs):
+    """mlx-lm's stream_generate (the server's path for a request served alone),
+    its cache seen by the stats while it runs. Its steps run unlocked (a
+    prompt may take minutes): reading the byte counts of arrays another thread
+    replaces is safe, and off by at most a step."""
+    with _lock:
+        _single.append(prompt_cache)
+    try:
+        first = True
+        for response in _stream_generate(*args, prompt_cache=prompt_cache, **kwargs):
+            if first:
+                _counts["prompt_tokens"] += response.prompt_tokens
+                first = False
+            yield response
+    finally:
+        with _lock:
+            _single[:] = [c for c in _single if c is not prompt_cache]
+
+
+_stream_generate = mlx_server.stream_generate
+
+
+# -- stats ----------------------------------------------------------------------------
+
+
+def _bytes(caches, n):
+    """memory.layer_bytes summed over the layers of one entry: one sequence's
+    caches, or a batch of n (its KVarN layers count row by row)."""
+    out = {"sequences": n, "tokens": 0, "held": 0, "plain": 0, "fp16": 0}
+    tokens = [0] * n
+    for layer in caches:
+        rows = layer.rows if isinstance(layer, BatchKVarNCache) else [layer]
+        for i, c in enumerate(rows):
+            b = memory.layer_bytes(c)
+            for k in ("held", "plain", "fp16"):
+                out[k] += b[k]
+            if len(rows) == n:
+                tokens[i] = max(tokens[i], b["tokens"])
+    out["tokens"] = sum(tokens)
+    return out
+
+
+def _total(entries):
+    out = {"sequences": 0, "tokens": 0, "held": 0, "plain": 0, "fp16": 0}
+    for caches, n in entries:
+        for k, v in _bytes(caches, n).items():
+            out[k] += v
+    out["ratio_plain"] = round(out["plain"] / out["held"], 3) if out["held"] else None
+    return out
+
+
+def kv_stats():
+    """KV bytes held by live requests and by the prompt cache, and what mlx-lm's
+    plain cache would hold for the same tokens (in the model's dtype; fp16: at 2
+    bytes an element). Figures from the arrays held (kvarn_mlx.memory)."""
+    with _lock:
+        live = [part for g in _generators for part in g.live_caches()] + [(c, 1) for c in _single if c]
+        stored = [(c, 1) for p in _prompt_caches for c in p.entries()]
+        out = {
+            "live": _total(live),
+            "prompt_cache": _total(stored),
+            "prompt_tokens_processed": _counts["prompt_tokens"],
+        }
+    return out
+
+
+# -- requests -------------------------------------------------------------------------
+
+
+class APIHandler(mlx_server.APIHandler):
+    """mlx-lm's request handler behind kvarn_mlx.guard's checks, plus the stats endpoint."""
+
+    settings = argparse.Namespace(allowed_hosts=[], allowed_origins=[], api_key=None, kv_preset=None, kv_sink=None)
+
+    def _refused(self, post):
+        """Answer and return True if the request breaks a rule."""
+        s = self.settings
+        try:
+            guard.check_host(self.headers.get("Host"), self.connection.getsockname()[0], s.allowed_hosts)
+            if post:
+                if "*" not in s.allowed_origins:
+                    guard.check_origin(self.headers.get("Origin"), self.headers.get("Host"),
+                                       allowed=s.allowed_origins)
+                guard.check_json_type(self.headers.get("Content-Type"))
+            guard.check_api_key(self.headers.get("Authorization"), s.api_key)
+        except guard.Refused as e:
+            body = json.dumps({"error": {"message": str(e), "type": "invalid_request_error", "code": e.code}})
+            self.send_response(e.status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+            return True
+        return False
+
+    def do_POST(self):
+        if not self._refused(post=True):
+            super().do_POST()
+
+    def do_OPTIONS(self):
+        if not self._refused(post=False):
+            super().do_OPTIONS()
+
+    def do_GET(self):
+        if self._refused(post=False):
+            return
+        if self.path != STATS_PATH:
+            return super().do_GET()
+        stats = kv_stats()
+        stats.update(kv_preset=self.settings.kv_preset, kv_sink=self.settings.kv_sink)
+        self._set_completion_headers(200)
+        self.end_headers()
+        self.wfile.write(json.dumps(stats).encode())
+
+
+def run(host, port, model_provider, server_class=mlx_server.ThreadingHTTPServer, handler_class=APIHandler):
+    """mlx_lm.server.run with this module's prompt cache (bounded by
+    --prompt-cache-bytes as well as --prompt-cache-size) and request handler."""
+    args = model_provider.cli_args
+    group = mx.distributed.init()
+    prompt_cache = PromptCache(args.prompt_cache_size, **({"max_bytes": args.prompt_cache_bytes}
+                                                          if args.prompt_cache_bytes is not None else {}))
+    response_generator = mlx_server.ResponseGenerator(model_provider, prompt_cache)
+    if group.rank() == 0:
+        mlx_server._run_http_server(host, port, response_generator, server_class, handler_class)
+    else:
+        response_generator.join()
+
+
+# -- command line ---------------------------------------------------------------------
+
+
+def arg_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m kvarn_mlx.server", add_help=False,
+        description="mlx-lm's server (all of mlx_lm.server's flags work) on KVarN KV caches.")
+    g = p.add_argument_group("KVarN")
+    g.add_argument("--kv-preset", default=DEFAULT_PRESET,
+                   help=f"KVarN preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}")
+    g.add_argument("--kv-sink", type=int, default=None,
+                   help="leading tokens kept unquantized (default: the preset's, one tile)")
+    g.add_argument("--allowed-hosts", type=lambda x: [h.strip().lower() for h in x.split(",") if h.strip()],
+                   default=[], help="Host names this server answers to besides localhost and its own "
+                                    "address, comma-separated ('*': any)")
+    g.add_argument("--allowed-origins", type=lambda x: [o.strip().lower().rstrip("/") for o in x.split(",")],
+                   default=[], help="web page origins allowed to send requests, comma-separated "
+                                    "('*': any; default: none besides this server's own)")
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV})")
+    return p
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = arg_parser()
+    ours, rest = parser.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        parser.print_help()
+        print("\nmlx_lm.server's flags:\n")
+    elif ours.kv_preset not in PRESETS:
+        parser.error(f"--kv-preset {ours.kv_preset!r}: use one of {', '.join(PRESETS)}")
+    elif ours.kv_sink is not None and ours.kv_sink < 0:
+        parser.error(f"--kv-sink {ours.kv_sink}: must be >= 0")
+    elif any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest):
+        parser.error("--kv-bits is mlx-lm's own quantized cache (one request at a time); "
+                     "this server quantizes with KVarN: use --kv-preset")
+    if not any(a == "--model" or a.startswith("--model=") for a in rest) and "-h" not in rest and "--help" not in rest:
+        from .loader import default_model_path
+
+        rest += ["--model", str(default_model_path())]
+    # mlx-lm's --allowed-origins sets its CORS headers: the same list as ours.
+    rest += ["--allowed-origins", ",".join(ours.allowed_origins)]
+    install(ours)
+    sys.argv = [parser.prog, *rest]
+    mlx_server.main()
+
+
+def install(settings):
+    """Rebind the names mlx_lm.server (and mlx_lm.generate, for its BatchGenerator)
+    looks up, so its own code runs on KVarN caches and this module's handler."""
+    make_prompt_cache = cache_factory(settings.kv_preset, settings.kv_sink)
+    mlx_server.make_prompt_cache = make_prompt_cache
+    sys.modules["mlx_lm.generate"].make_prompt_cache = make_prompt_cache
+    mlx_server.BatchGenerator = BatchGenerator
+    mlx_server.stream_generate = stream_generate
+    mlx_server.run = run
+    APIHandler.settings = settings
+
+
+if __name__ == "__main__":
+    main()

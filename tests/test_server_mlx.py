@@ -1,0 +1,184 @@
+"""python -m kvarn_mlx.server (mlx-lm's server on KVarN caches) in a subprocess,
+on a tiny random-weight llama with the embedded model's tokenizer
+(tests/model_folder.py), talked to with the `openai` client.
+
+The preset is k4v2_g64 with a 16-token sink so prompts of a few hundred
+tokens fill tiles while requests are batched.
+"""
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from model_folder import tiny_model_folder
+
+openai = pytest.importorskip("openai")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 120  # seconds; only ever hit when something is broken
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly brave kings".split()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(model_dir, *flags):
+    """The server on a free port; yields (base URL, the log file's path)."""
+    port = free_port()
+    log = open(os.path.join(str(model_dir.parent), f"server-{port}.log"), "w+")
+    cmd = [sys.executable, "-m", "kvarn_mlx.server", "--model", str(model_dir), "--port", str(port),
+           "--kv-preset", "k4v2_g64", "--kv-sink", "16", "--max-tokens", "16", *flags]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            try:
+                if get(url + "/health")["status"] == "ok":
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                pytest.fail(f"the server did not start:\n{log.read()}")
+            time.sleep(0.2)
+        yield url, log.name
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def get(url, headers=None):
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=TIMEOUT) as r:
+        return json.loads(r.read())
+
+
+def request(url, method="POST", body=b"{}", headers=None):
+    """(status, parsed JSON body) of a raw request."""
+    req = urllib.request.Request(url, data=body if method == "POST" else None, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+
+
+def prompt(i, n_words):
+    return " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(n_words))
+
+
+def stream_chat(c, messages, max_tokens=16):
+    """The streamed reply's text and the finish reason."""
+    text, finish = [], None
+    for chunk in c.chat.completions.create(model="default_model", messages=messages, max_tokens=max_tokens,
+                                           temperature=0.0, stream=True):
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    return "".join(text), finish
+
+
+def test_concurrent_streams_equal_the_same_requests_one_at_a_time(model_dir):
+    # --prompt-cache-size 0: every request is computed from scratch in both runs.
+    conversations = [[{"role": "user", "content": prompt(i, 40 + 45 * i)}] for i in range(8)]
+    with server(model_dir, "--prompt-cache-size", "0") as (url, _):
+        c = client(url)
+        alone = [stream_chat(c, m) for m in conversations]
+        seen = []
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(stream_chat, c, m) for m in conversations]
+            while not all(f.done() for f in futures):
+                seen.append(get(url + "/v1/kv_stats")["live"])
+                time.sleep(0.05)
+            together = [f.result() for f in futures]
+        stats = get(url + "/v1/kv_stats")
+    assert all(finish == "length" for _, finish in alone)
+    assert together == alone
+    batched = max(seen, key=lambda s: s["sequences"])
+    assert batched["sequences"] > 1, "the requests were never batched"
+    assert batched["held"] > 0 and batched["plain"] > 0
+    assert stats["live"]["sequences"] == 0 and stats["prompt_cache"]["sequences"] == 0
+    assert (stats["kv_preset"], stats["kv_sink"]) == ("k4v2_g64", 16)
+
+
+def test_a_continued_conversation_prefills_only_its_new_tokens(model_dir):
+    # The random model's replies would not tokenize back to the tokens it generated;
+    # a logit bias makes it repeat "1" (token 33 of SmolLM2's tokenizer, which
+    # splits numbers into digits), which does.
+    with server(model_dir) as (url, _):
+        c = client(url)
+        first = [{"role": "user", "content": prompt(1, 200)}]
+        ask = dict(model="default_model", max_tokens=16, temperature=0.0, logit_bias={"33": 100})
+        r1 = c.chat.completions.create(messages=first, **ask)
+        assert r1.choices[0].message.content == "1" * 16
+        before = get(url + "/v1/kv_stats")
+        second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                          {"role": "user", "content": prompt(2, 30)}]
+        r2 = c.chat.completions.create(messages=second, **ask)
+        after = get(url + "/v1/kv_stats")
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    processed = after["prompt_tokens_processed"] - before["prompt_tokens_processed"]
+    # the first prompt and the reply's tokens (all but the last, which the cache
+    # never sees: generation stops after sampling it) came from the cache
+    assert cached >= r1.usage.prompt_tokens + 15
+    assert processed == r2.usage.prompt_tokens - cached
+    assert processed < 45  # the second question and the chat template's turn markers
+    # the prompt cache holds the conversation as KVarN tiles: less than the plain cache
+    held = after["prompt_cache"]
+    assert held["sequences"] >= 1 and held["tokens"] >= r2.usage.prompt_tokens
+    assert held["plain"] > held["held"] > 0
+
+
+def test_the_guard(model_dir):
+    with server(model_dir, "--allowed-hosts", "box.lan") as (url, _):
+        chat = url + "/v1/chat/completions"
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+        json_type = {"Content-Type": "application/json"}
+        status, err = request(url + "/v1/kv_stats", "GET", headers={"Host": "evil.example"})
+        assert status == 400 and err["error"]["code"] == "invalid_host"
+        assert request(url + "/v1/kv_stats", "GET", headers={"Host": "box.lan:8080"})[0] == 200
+        status, err = request(chat, body=body, headers={**json_type, "Origin": "http://evil.example"})
+        assert status == 403 and err["error"]["code"] == "forbidden_origin"
+        status, err = request(chat, body=body, headers={"Content-Type": "text/plain"})
+        assert status == 415 and "application/json" in err["error"]["message"]
+        status, reply = request(chat, body=body, headers={**json_type, "Origin": url})  # same origin
+        assert status == 200 and reply["usage"]["completion_tokens"] == 1
+        status, _ = request(chat, "OPTIONS", headers={"Host": "evil.example"})
+        assert status == 400
+
+
+def test_flags():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvarn_mlx.server", *a], cwd=ROOT,
+                                    capture_output=True, text=True, timeout=TIMEOUT)
+    r = run("--kv-bits", "4")
+    assert r.returncode == 2 and "--kv-preset" in r.stderr
+    r = run("--kv-preset", "k3v3")
+    assert r.returncode == 2 and "k4v2_g128" in r.stderr
+    r = run("--help")
+    assert r.returncode == 0 and "--kv-preset" in r.stdout and "--prompt-cache-bytes" in r.stdout
