@@ -4,8 +4,9 @@ One softmax over sink + tiles + recent tokens (docs/algorithm.md, "Absorbed
 scales"): tile scores come from mx.quantized_matmul over the packed K codes
 with the rotated query, times the token scales t; tile outputs from
 mx.quantized_matmul over the packed V codes, times the channel scales c, summed
-over tiles and rotated back. Both paths read the tile storage in place, over
-its whole capacity, with the tiles past the step's valid ones masked out.
+over tiles and rotated back. Tile storage is tile-major, so the step's valid
+tiles are a contiguous view that quantized_matmul reads as it is; the Metal
+kernel gets the whole storage and the count of valid tiles.
 """
 
 import mlx.core as mx
@@ -25,7 +26,8 @@ def packed_attention(queries, cache, scale, mask=None, sinks=None):
 
 def attend_view(queries, view: StepView, scale, mask=None, sinks=None):
     """The Metal kernel where it runs and supports this step, else the MLX ops path."""
-    if view.tiles is not None and sinks is None and (mask is None or mask == "causal") and dispatch.use_metal():
+    plain_mask = mask is None or (isinstance(mask, str) and mask == "causal")
+    if view.tiles is not None and sinks is None and plain_mask and dispatch.use_metal():
         reason = kernels.attention_unsupported(queries, view)
         if reason is None:
             return kernels.packed_attention_metal(queries, view, scale, mask == "causal")
@@ -35,57 +37,69 @@ def attend_view(queries, view: StepView, scale, mask=None, sinks=None):
 
 def attend(queries, view: StepView, scale, mask=None, sinks=None):
     """The MLX ops path: queries [B, Hq, L, D] over the view's sink [B, H, S, D],
-    tiles [0, n_tiles) of its storage and recent tokens [B, H, R, D]; one softmax."""
+    tiles [0, n_tiles) of its storage and recent tokens [B, H, R, D]; one softmax.
+
+    The softmax is taken part by part (sink, tiles, recent) against a shared
+    maximum, so tile scores stay in the storage's tile-major layout: no
+    concatenated score matrix, and the tiles are contiguous views."""
     B, Hq, L, D = queries.shape
-    sk, sv, rk, rv, tiles = view.sink_k, view.sink_v, view.recent_k, view.recent_v, view.tiles
+    sk, sv, rk, rv = view.sink_k, view.sink_v, view.recent_k, view.recent_v
     H = sk.shape[1]
     n_rep = Hq // H
+    rows = n_rep * L
     f32 = mx.float32
     # Query heads sharing a kv head become rows of one matrix: [B, H, n_rep*L, D].
-    q = (queries.astype(f32) * scale).reshape(B, H, n_rep * L, D)
-
+    q = (queries.astype(f32) * scale).reshape(B, H, rows, D)
+    tiles = view.tiles if view.n_tiles else None
+    n, G = (view.n_tiles, tiles.group_size) if tiles is not None else (0, 0)
     S, R = sk.shape[2], rk.shape[2]
-    scores = [q @ mx.swapaxes(sk, -1, -2).astype(f32)]
+    mask_sink, mask_tiles, mask_recent = _split_mask(mask, L, (S, n, G, R), Hq, H, n_rep)
+
+    def dense_scores(k, m):
+        return _apply_mask((q @ mx.swapaxes(k, -1, -2).astype(f32)).reshape(B, H, n_rep, L, -1), m)
+
+    parts = []  # (scores [.., rows, cols], values) per non-empty part; tile scores [n, B, H, rows, G]
+    if S:
+        parts.append((dense_scores(sk, mask_sink).reshape(B, H, rows, S), sv))
     if tiles is not None:
-        N, G = tiles.capacity, tiles.group_size
         q_rot = quant.rotated_where(view.rotate_k, q, quant.rotate)
-        s = mx.quantized_matmul(q_rot[:, :, None], tiles.k_words, tiles.k_a[..., None].astype(f32),
-                                tiles.k_b[..., None].astype(f32), transpose=False, group_size=G, bits=view.k_bits)
-        s = s * tiles.k_t[:, :, :, None, :].astype(f32)  # [B, H, N, n_rep*L, G]
-        s = mx.swapaxes(s, 2, 3).reshape(B, H, n_rep * L, N * G)
-        if view.n_tiles < N:  # storage past the step's tiles: room, or tiles quantized this step
-            s = mx.where(mx.arange(N * G) < view.n_tiles * G, s, mx.finfo(f32).min)
-        scores.append(s)
-    scores.append(q @ mx.swapaxes(rk, -1, -2).astype(f32))
-    s = mx.concatenate(scores, axis=-1).reshape(B, H, n_rep, L, -1)
-    T = s.shape[-1]
+        kw, ka, kb, kt = (x[:n] for x in (tiles.k_words, tiles.k_a, tiles.k_b, tiles.k_t))
+        st = mx.quantized_matmul(q_rot[None], kw, ka[..., None].astype(f32), kb[..., None].astype(f32),
+                                 transpose=False, group_size=G, bits=view.k_bits)
+        st = st * kt[:, :, :, None, :].astype(f32)
+        if mask_tiles is not None:
+            st = _apply_mask(st.reshape(n, B, H, n_rep, L, G), mask_tiles).reshape(n, B, H, rows, G)
+        parts.append((st, None))
+    if R:
+        parts.append((dense_scores(rk, mask_recent).reshape(B, H, rows, R), rv))
 
-    if tiles is not None and view.n_tiles < N and mask is not None:
-        # Masks are over token positions; the storage past the valid tiles is not.
-        n = S + view.n_tiles * G
-        if isinstance(mask, str):
-            mask = _causal(mask, L, n + R)
-        mask = _widen(mask, n, (N - view.n_tiles) * G)
-    s = _apply_mask(s, mask, Hq, H, n_rep)
-    if sinks is not None:  # a learned logit per query head that takes softmax mass
-        sink_logit = mx.broadcast_to(sinks.astype(f32).reshape(1, H, n_rep, 1, 1), (*s.shape[:-1], 1))
-        p = mx.softmax(mx.concatenate([s, sink_logit], axis=-1), axis=-1, precise=True)[..., :T]
-    else:
-        p = mx.softmax(s, axis=-1, precise=True)
-    p = p.reshape(B, H, n_rep * L, T)
+    # One softmax over all parts (and a learned sink logit per query head, which takes mass).
+    m = None
+    for s, _ in parts:
+        s_max = s.max(axis=(0, -1)) if s.ndim == 5 else s.max(axis=-1)
+        m = s_max if m is None else mx.maximum(m, s_max)
+    if sinks is not None:
+        sink_logit = mx.broadcast_to(sinks.astype(f32).reshape(1, H, n_rep, 1), (B, H, n_rep, L)).reshape(B, H, rows)
+        m = mx.maximum(m, sink_logit)
+    m = m[..., None]
+    total = mx.zeros((B, H, rows, 1), f32) if sinks is None else mx.exp(sink_logit[..., None] - m)
+    o = mx.zeros((B, H, rows, D), f32)
+    for s, values in parts:
+        if values is None:  # the tiles
+            e = mx.exp(s - m[None])
+            total = total + e.sum(axis=(0, -1))[..., None]
+            o_rot = (_tile_values(e, tiles, n, view.v_bits, D) * tiles.v_c[:n, :, :, None, :].astype(f32)).sum(axis=0)
+            o = o + (quant.unrotate(o_rot) if view.rotate_v else o_rot)
+        else:
+            e = mx.exp(s - m)
+            total = total + e.sum(axis=-1, keepdims=True)
+            o = o + e @ values.astype(f32)
+    return (o / total).reshape(B, Hq, L, D).astype(queries.dtype)
 
-    o = p[..., :S] @ sv.astype(f32) + p[..., T - R :] @ rv.astype(f32)
-    if tiles is not None:
-        p_tiles = mx.swapaxes(p[..., S : S + N * G].reshape(B, H, n_rep * L, N, G), 2, 3)
-        o_rot = _tile_values(p_tiles, tiles, view.v_bits, D) * tiles.v_c[:, :, :, None, :].astype(f32)
-        o_rot = o_rot.sum(axis=2)
-        o = o + (quant.unrotate(o_rot) if view.rotate_v else o_rot)
-    return o.reshape(B, Hq, L, D).astype(queries.dtype)
 
-
-def _tile_values(p, tiles, bits, D):
-    """sum_g p[g] * (code[g, d] * a[g] + b[g]) per tile: [B, H, N, rows, D]."""
-    words, a, b = tiles.v_words, tiles.v_a, tiles.v_b
+def _tile_values(p, tiles, n, bits, D):
+    """sum_g p[g] * (code[g, d] * a[g] + b[g]) for p [n, B, H, rows, G]: [n, B, H, rows, D]."""
+    words, a, b = (x[:n] for x in (tiles.v_words, tiles.v_a, tiles.v_b))
     gs = next((g for g in (128, 64, 32) if D % g == 0), None)
     if gs is None:  # no group size of mx.quantized_matmul fits D (e.g. 80)
         code = quant.unpack(words, bits).astype(mx.float32)
@@ -97,33 +111,33 @@ def _tile_values(p, tiles, bits, D):
     return mx.quantized_matmul(p, words, a, b, transpose=False, group_size=gs, bits=bits)
 
 
-def _widen(mask, at, n):
-    """An array mask over [sink, valid tiles, recent] with n columns inserted at
-    `at` for the storage past the valid tiles (masked out by the scores already)."""
-    fill = mx.ones if mask.dtype == mx.bool_ else mx.zeros
-    room = fill((*mask.shape[:-1], n), mask.dtype)
-    return mx.concatenate([mask[..., :at], room, mask[..., at:]], axis=-1)
+def _split_mask(mask, L, widths, Hq, H, n_rep):
+    """A mask over all key positions, split for the sink, tile and recent parts:
+    [B or 1, H or 1, n_rep or 1, L, cols] each, the tiles' [n, B or 1, ..., L, G];
+    None where nothing is masked."""
+    if mask is None:
+        return None, None, None
+    S, n, G, R = widths
+    T = S + n * G + R
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unsupported mask {mask!r}")
+        if L <= R:  # the queries are the newest tokens: only the recent part is masked
+            return None, None, mx.arange(R)[None, :] <= mx.arange(R - L, R)[:, None]
+        mask = mx.arange(T)[None, :] <= mx.arange(T - L, T)[:, None]
+    if mask.ndim == 4 and mask.shape[1] == Hq and Hq > 1:  # [B or 1, Hq, L, T]
+        mask = mask.reshape(mask.shape[0], H, n_rep, *mask.shape[2:])
+    else:  # [L, T] or [B or 1, 1, L, T]
+        mask = mask.reshape(*([1] * (5 - mask.ndim)), *mask.shape) if mask.ndim < 4 else mx.expand_dims(mask, 2)
+    tiles = mask[..., S : S + n * G]
+    tiles = mx.moveaxis(tiles.reshape(*tiles.shape[:-1], n, G), -2, 0) if n else None
+    return mask[..., :S], tiles, mask[..., S + n * G :]
 
 
-def _causal(mask, L, T):
-    """The boolean [L, T] mask of L queries that are the last L of T positions."""
-    if mask != "causal":
-        raise ValueError(f"unsupported mask {mask!r}")
-    return mx.arange(T)[None, :] <= mx.arange(T - L, T)[:, None]
-
-
-def _apply_mask(s, mask, Hq, H, n_rep):
-    """Mask scores s [B, H, n_rep, L, T] with "causal", a boolean or an additive mask."""
+def _apply_mask(s, mask):
+    """Mask scores s [..., L, cols] with a boolean or an additive mask that broadcasts to them."""
     if mask is None:
         return s
-    L, T = s.shape[-2:]
-    if isinstance(mask, str):
-        mask = _causal(mask, L, T)
-    elif mask.ndim == 4:  # [B or 1, Hq or 1, L, T]
-        if mask.shape[1] == Hq and Hq > 1:
-            mask = mask.reshape(mask.shape[0], H, n_rep, *mask.shape[2:])
-        else:
-            mask = mx.expand_dims(mask, 2)
     if mask.dtype == mx.bool_:
         return mx.where(mask, s, mx.finfo(s.dtype).min)
     return s + mask.astype(s.dtype)

@@ -3,7 +3,7 @@
 Per layer (B batch rows, H kv heads, D head dim, G tile tokens; docs/algorithm.md,
 "Tiles, sink and tail"):
     sink_k/v  [B, H, S, D]    first S tokens, model dtype
-    tiles     Tiles           quantized tiles in the rotated space (tiles.py)
+    tiles     TileStorage     quantized tiles in the rotated space (tiles.py)
     tail_k/v  [B, H, <G, D]   newest tokens that do not fill a tile, model dtype
 Tiles are quantized once, when the tail fills, and never again.
 """
@@ -315,7 +315,7 @@ class KVarNCache(_BaseCache):
             G = self.config.group_size
             self.sink_k, self.sink_v = sk, sv
             self.tail_k, self.tail_v = tk, tv
-            self.tiles = Tiles(*(s[name] for name in ARRAYS)) if n_tiles else None
+            self.tiles = append(None, Tiles(*(s[name] for name in ARRAYS)), 0) if n_tiles else None
             ok = (sk.shape[2] == self.n_sink and tk.shape[2] == self.n_tail
                   and self.offset == self.n_sink + n_tiles * G + self.n_tail
                   and self.n_tiles == n_tiles)
@@ -327,15 +327,6 @@ class KVarNCache(_BaseCache):
 
 def _keep_alive(*_):
     """Finalizer callback: its arguments live exactly as long as the finalized object."""
-
-
-def _tile_array(name):
-    """The storage array `name` (see tiles.ARRAYS), or None before the first tile."""
-    return property(lambda self: None if self.tiles is None else getattr(self.tiles, name))
-
-
-for _name in ARRAYS:
-    setattr(KVarNCache, _name, _tile_array(_name))
 
 
 def _scalar(x):

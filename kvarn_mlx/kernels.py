@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import quant
-from .tiles import StepView, Tiles
+from .tiles import StepView, Tiles, append
 
 log = logging.getLogger("kvarn_mlx.kernels")
 
@@ -180,11 +180,12 @@ def packed_attention_metal(q, view: StepView, scale, causal=True):
     """Attention of queries q [B, Hq, L, D] (unrotated, L <= 8) over one layer's
     StepView: sink + tiles [0, view.n_tiles) of the storage + recent tokens; one
     softmax, causal for L > 1. Returns [B, Hq, L, D] in q's dtype. For input
-    attention_unsupported accepts."""
+    attention_unsupported accepts. The tile storage is passed whole (tile-major,
+    so its arrays are [capacity, B*H, ...] as they are): no slice, no copy."""
     B, Hq, L, D = q.shape
     tiles = view.tiles
-    Hkv, ncap, G = tiles.k_words.shape[1], tiles.capacity, tiles.group_size
-    n_tiles = min(int(view.n_tiles), ncap)
+    Hkv, G = view.sink_k.shape[1], tiles.group_size
+    n_tiles = min(int(view.n_tiles), tiles.capacity)
     n_rep = Hq // Hkv
     R, BH = n_rep * L, B * Hkv
     S, Tn = view.sink_k.shape[2], view.recent_k.shape[2]
@@ -207,7 +208,7 @@ def packed_attention_metal(q, view: StepView, scale, causal=True):
         tps = -(-n_tiles // min(n_tiles, want))
         n_split = -(-n_tiles // tps)
     NS = n_split + 2  # sink split, tile splits, tail split
-    params = mx.array([n_tiles, ncap, S, Tn, tps, L, R, int(bool(causal)), NS, n_rc], dtype=mx.int32)
+    params = mx.array([n_tiles, BH, S, Tn, tps, L, R, int(bool(causal)), NS, n_rc], dtype=mx.int32)
 
     k1 = _kernel(
         "kvarn_attention_split",
@@ -254,13 +255,14 @@ def _self_test() -> bool:
     global _self_test_result
     if _self_test_result is None:
         try:
-            x = mx.random.normal((1, 2, 2, 64, 64), key=mx.random.key(0))
+            x = mx.random.normal((1, 2, 2, 64, 64), key=mx.random.key(0))  # [B, H, tiles, G, D]
             k_tiles = _quantize_metal(x, 4, 8, True, "float32", keys=True)
             v_tiles = _quantize_metal(x, 2, 8, True, "float32", keys=False)
             k_ops, v_ops = quant.quantize_keys(x, 4, 8, True, "float32"), quant.quantize_values(x, 2, 8, True, "float32")
             q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(1))
             sink, tail = x[:, :, 0, :16], x[:, :, 1, :5]
-            got = packed_attention_metal(q, StepView(sink, sink, Tiles(*k_tiles, *v_tiles), 2, tail, tail, 4, 2), 0.125)
+            storage = append(None, Tiles(*k_tiles, *v_tiles), 0)
+            got = packed_attention_metal(q, StepView(sink, sink, storage, 2, tail, tail, 4, 2), 0.125)
             k, v = Tiles(*k_ops, *v_ops).dequantize(4, 2, True, True)
             want = mx.fast.scaled_dot_product_attention(
                 q, mx.concatenate([sink, k, tail], axis=2), mx.concatenate([sink, v, tail], axis=2), scale=0.125)

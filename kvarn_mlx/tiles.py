@@ -1,11 +1,13 @@
-"""Quantized tile storage of one cache layer, and what one attention step reads.
+"""Quantized tiles of one cache layer, their storage, and what one attention step reads.
 
-Tiles hold the packed codes and absorbed scales of every tile in the rotated
+A tile holds the packed codes and absorbed scales of G tokens in the rotated
 space (docs/algorithm.md, "Rounding and packing", "Absorbed scales", "Storage
-and bytes per token"): eight arrays of shape [B, H, capacity, ...], of which
-tiles [0, count) are valid. Attention takes the storage as it is plus a count
-of valid tiles, so a step never copies it. Quantizing full-precision tiles
-into Tiles is dispatch.quantize (Metal kernel or MLX ops).
+and bytes per token"). Quantizing full-precision tiles into Tiles is
+dispatch.quantize (Metal kernel or MLX ops).
+
+TileStorage keeps a layer's tiles tile-major, [capacity, B, H, ...], so the
+first n tiles are a contiguous view: attention reads the storage in place
+(the kernel gets the storage and the number of valid tiles), never a copy.
 """
 
 from dataclasses import dataclass, fields
@@ -17,7 +19,7 @@ from . import quant
 
 @dataclass(eq=False)
 class Tiles:
-    """Packed tiles: [B, H, capacity, ...] arrays, tiles [0, count) valid.
+    """m packed tiles, batch-major [B, H, m, ...] (what a quantizer returns):
 
     k_words [.., D, G*kb/32], k_a, k_b [.., D], k_t [.., G]
     v_words [.., G, D*vb/32], v_a, v_b [.., G], v_c [.., D]
@@ -31,15 +33,52 @@ class Tiles:
     v_a: mx.array
     v_b: mx.array
     v_c: mx.array
-    count: int = -1  # -1: every tile of the arrays is valid
 
-    def __post_init__(self):
-        if self.count < 0:
-            self.count = self.capacity
+    @property
+    def count(self) -> int:
+        return self.k_words.shape[2]
+
+    def arrays(self):
+        return tuple(getattr(self, n) for n in ARRAYS)
+
+    def keys(self):
+        return self.k_words, self.k_a, self.k_b, self.k_t
+
+    @property
+    def nbytes(self):
+        return sum(x.nbytes for x in self.arrays())
+
+    def dequantize(self, k_bits, v_bits, rotate_k, rotate_v):
+        """Unrotated float32 K, V [B, H, m*G, D]."""
+        k = quant.dequantize_keys(*self.keys(), k_bits)
+        v = quant.dequantize_values(self.v_words, self.v_a, self.v_b, self.v_c, v_bits)
+        k = quant.rotated_where(rotate_k, k, quant.unrotate)
+        v = quant.unrotate(v) if rotate_v else v
+        B, H, m, G, D = k.shape
+        return k.reshape(B, H, m * G, D), v.reshape(B, H, m * G, D)
+
+
+ARRAYS = tuple(f.name for f in fields(Tiles))
+
+
+@dataclass(eq=False)
+class TileStorage:
+    """A layer's tiles, tile-major: eight arrays [capacity, B, H, ...] (the
+    per-tile shapes of Tiles), of which tiles [0, count) are valid."""
+
+    k_words: mx.array
+    k_a: mx.array
+    k_b: mx.array
+    k_t: mx.array
+    v_words: mx.array
+    v_a: mx.array
+    v_b: mx.array
+    v_c: mx.array
+    count: int = 0
 
     @property
     def capacity(self) -> int:
-        return self.k_words.shape[2]
+        return self.k_words.shape[0]
 
     @property
     def group_size(self) -> int:
@@ -48,24 +87,21 @@ class Tiles:
     def arrays(self):
         return tuple(getattr(self, n) for n in ARRAYS)
 
-    def keys(self):
-        return self.k_words, self.k_a, self.k_b, self.k_t
-
-    def valid(self, n=None):
-        """The first n (default: count) tiles as arrays of that many tiles (a slice)."""
+    def valid(self, n=None) -> Tiles:
+        """The first n (default: count) tiles, batch-major (a transposed view)."""
         n = self.count if n is None else n
-        return Tiles(*(x[:, :, :n] for x in self.arrays()), count=n)
+        return Tiles(*(mx.moveaxis(x[:n], 0, 2) for x in self.arrays()))
+
+    def write(self, start, arrays):
+        """Store batch-major arrays (in ARRAYS order, or the four key arrays) at tiles [start, start + m)."""
+        m = arrays[0].shape[2]
+        for name, x in zip(ARRAYS, arrays):
+            getattr(self, name)[start : start + m] = mx.moveaxis(x, 2, 0)
 
     def rows(self, idx):
         """The tiles of batch rows idx (an int list or array), as their own storage."""
         idx = mx.array(idx)
-        return Tiles(*(x[idx] for x in self.arrays()), count=self.count)
-
-    def write(self, start, arrays):
-        """Store arrays (in ARRAYS order, or the four key arrays) at tiles [start, start + m)."""
-        m = arrays[0].shape[2]
-        for name, x in zip(ARRAYS, arrays):
-            getattr(self, name)[:, :, start : start + m] = x
+        return TileStorage(*(x[:, idx] for x in self.arrays()), count=self.count)
 
     @property
     def nbytes(self):
@@ -80,34 +116,26 @@ class Tiles:
 
     def dequantize(self, k_bits, v_bits, rotate_k, rotate_v, n=None):
         """The first n tiles as unrotated float32 K, V [B, H, n*G, D]."""
-        t = self.valid(n)
-        k = quant.dequantize_keys(*t.keys(), k_bits)
-        v = quant.dequantize_values(t.v_words, t.v_a, t.v_b, t.v_c, v_bits)
-        k = quant.rotated_where(rotate_k, k, quant.unrotate)
-        v = quant.unrotate(v) if rotate_v else v
-        B, H, n, G, D = k.shape
-        return k.reshape(B, H, n * G, D), v.reshape(B, H, n * G, D)
+        return self.valid(n).dequantize(k_bits, v_bits, rotate_k, rotate_v)
 
 
-ARRAYS = tuple(f.name for f in fields(Tiles) if f.name != "count")
-
-
-def append(storage, new, step):
-    """storage (Tiles or None) with the tiles of `new` stored after its valid ones.
+def append(storage, new: Tiles, step):
+    """storage (TileStorage or None) with the tiles `new` stored after its valid ones.
 
     Grows by what a prefill needs or `step` tiles, whichever is more: at most
     step - 1 tiles of room, and growing copies the tiles once per step tiles,
     while every decode step's attention reads all of them."""
-    need = (0 if storage is None else storage.count) + new.count
+    count = 0 if storage is None else storage.count
+    need = count + new.count
     capacity = 0 if storage is None else storage.capacity
     if need > capacity:
         grown = max(need, capacity + step)
         arrays = []
         for name, x in zip(ARRAYS, new.arrays()):
-            room = mx.zeros((*x.shape[:2], grown - capacity, *x.shape[3:]), x.dtype)
-            arrays.append(room if storage is None else mx.concatenate([getattr(storage, name), room], axis=2))
-        storage = Tiles(*arrays, count=0 if storage is None else storage.count)
-    storage.write(storage.count, new.arrays())
+            room = mx.zeros((grown - capacity, x.shape[0], x.shape[1], *x.shape[3:]), x.dtype)
+            arrays.append(room if storage is None else mx.concatenate([getattr(storage, name), room]))
+        storage = TileStorage(*arrays, count=count)
+    storage.write(count, new.arrays())
     storage.count = need
     return storage
 
@@ -118,12 +146,12 @@ class StepView:
     (quantized before this step), and every newer token in full precision.
 
     sink_k/v, recent_k/v [B, H, *, D] in the model's dtype (may hold 0 tokens);
-    tiles: the storage, not a copy (None before the first tile);
+    tiles: the storage, not a copy (None when the step sees no tile);
     rotate_k: a bool, or a bool per kv head."""
 
     sink_k: mx.array
     sink_v: mx.array
-    tiles: Tiles | None
+    tiles: TileStorage | None
     n_tiles: int
     recent_k: mx.array
     recent_v: mx.array

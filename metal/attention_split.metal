@@ -12,9 +12,10 @@
 //
 // inputs:  q, qr [BH*R, D] float32 (unrotated / rotated queries)
 //          sink_k, sink_v [BH, S, D] T; tail_k, tail_v [BH, Tn, D] T
-//          k_words [BH, NCAP, D, G*KB/32] uint32; k_a, k_b [BH, NCAP, D] SC; k_t [BH, NCAP, G] SC
-//          v_words [BH, NCAP, G, D*VB/32] uint32; v_a, v_b [BH, NCAP, G] SC; v_c [BH, NCAP, D] SC
-//          params int32 [n_tiles, NCAP, S, Tn, tiles_per_split, L, R, causal, NS, n_rc]
+//          tile storage, tile-major (tiles [0, n_tiles) are read; the rest is room):
+//          k_words [NCAP, BH, D, G*KB/32] uint32; k_a, k_b [NCAP, BH, D] SC; k_t [NCAP, BH, G] SC
+//          v_words [NCAP, BH, G, D*VB/32] uint32; v_a, v_b [NCAP, BH, G] SC; v_c [NCAP, BH, D] SC
+//          params int32 [n_tiles, BH, S, Tn, tiles_per_split, L, R, causal, NS, n_rc]
 //          scale float32 [1]
 // outputs: o_part [BH, NS, R, D], m_part [BH, NS, R], l_part [BH, NS, R] (float32)
 // template: T, SC, D, G, KB, VB, RC
@@ -40,7 +41,7 @@ threadgroup float PA[RC * G];  // p * a_v (value scale folded into the probabili
 threadgroup float PB[RC * G];  // p * b_v
 threadgroup float CORR[RC];    // exp(m_old - m_new) per row
 
-const int n_tiles = params[0], ncap = params[1], S = params[2], Tn = params[3];
+const int n_tiles = params[0], BH = params[1], S = params[2], Tn = params[3];
 const int tps = params[4], L = params[5], R = params[6], causal = params[7], NS = params[8], n_rc = params[9];
 const float sm_scale = scale[0];
 
@@ -78,7 +79,7 @@ for (int r = 0; r < RC; r++)
 for (int blk = 0; blk < nblk; blk++) {
   // block geometry: tile index n (packed) or dense rows [base, base+cnt)
   const int n = first + blk;
-  const size_t tb = size_t(bh) * ncap + n;  // packed tile index
+  const size_t tb = size_t(n) * BH + bh;  // packed tile index
   const int cnt = dense ? metal::min(G, dlen - blk * G) : G;
   const int pos0 = dense ? (is_sink ? 0 : S + n_tiles * G) + blk * G : S + n * G;
   const size_t dbase = (size_t(bh) * dlen + blk * G) * D;  // first row of a dense block

@@ -1,5 +1,6 @@
 // KVarN tile quantization: rotation + variance normalization + RTN + packing +
-// absorbed scales for one tile per threadgroup (KVARN_SPEC.md sections 1-4, 7).
+// absorbed scales for one tile per threadgroup (docs/algorithm.md: Rotation, Variance normalization,
+// Rounding and packing, Absorbed scales).
 // Body for mx.fast.metal_kernel; header: kvarn_common.h.
 //
 // inputs:  tiles [NT, G, D] (T: model dtype, tokens x channels, unrotated unless ROT == 0)

@@ -111,6 +111,14 @@ CASES = [
     (64, 3, 128, 4, 2, 128, 100, 1),         # still inside the sink: no tiles yet
     (128, 1, 64, 2, 2, 128, 128 + 64, 200),  # a long chunk: several new tiles, all seen in full
 ]
+# Every code width as keys and as values at every head dim whose value rows fill
+# uint32 words at that width (D=80 takes 2, 4, 6 and 8 bits).
+for D in (64, 80, 96, 128, 256):
+    widths = [b for b in (2, 3, 4, 5, 6, 8) if D * b % 32 == 0]
+    for i, kb in enumerate(widths):
+        G = (64, 128)[i % 2]
+        CASES.append((D, (1, 3, 7)[i % 3], G, kb, widths[(i + 1) % len(widths)], (0, 128)[i // 2 % 2],
+                      128 + 2 * G + 17 * i, (1, 5, 1, 9)[i % 4]))
 
 
 @pytest.mark.parametrize("D, gqa, G, kb, vb, sink, T, L", CASES)
@@ -277,11 +285,13 @@ def test_unrotatable_head_dim_warns_once_and_matches_unrotated_reference(D, pres
     check_close(packed_attention(q, cache, D**-0.5, mask="causal"), want, f"unrotated D={D}")
 
 
-def test_unpackable_head_dim_is_a_clear_error_and_cache_stays_usable():
-    # D=72 is a multiple of 8 (4-bit words) but not of 16 (2-bit words).
-    cache = KVarNCache("k2v2_g128")
-    k = mx.zeros((1, 2, 4, 72))
-    with pytest.raises(ValueError, match="72"):
+@pytest.mark.parametrize("D, preset", [(72, "k2v2_g128"), (80, "k3v3_g128"), (80, "k4v5_g128")])
+def test_unpackable_head_dim_is_a_clear_error_and_cache_stays_usable(D, preset):
+    # D=72 is a multiple of 8 (4-bit words) but not of 16 (2-bit words); 80 values
+    # of 3 or 5 bits do not fill whole words either.
+    cache = KVarNCache(preset)
+    k = mx.zeros((1, 2, 4, D))
+    with pytest.raises(ValueError, match=str(D)):
         cache.update_and_fetch(k, k)
     assert cache.offset == 0 and cache.empty()
     K, _ = cache.update_and_fetch(mx.ones((1, 2, 4, 64)), mx.ones((1, 2, 4, 64)))
@@ -306,7 +316,7 @@ def test_nan_inf_keys_in_a_quantized_tile():
     v[0, 1, bad + 3, 7] = np.nan
     feed(cache, k, v)
     for name in ("k_a", "k_b", "k_t", "v_a", "v_b", "v_c"):
-        assert np.isfinite(np.array(getattr(cache, name)[:, :, : cache.n_tiles].astype(mx.float32))).all(), name
+        assert np.isfinite(np.array(getattr(cache.tiles.valid(), name).astype(mx.float32))).all(), name
     q, *_ = step(cache, rng, 1, 6, 1, D)
     out = np.array(packed_attention(q, cache, D**-0.5))
     assert np.isfinite(out).all()

@@ -132,9 +132,9 @@ def test_no_float_copy_of_quantized_tokens_is_held():
         cap_t = c.tail_k.shape[2]  # the tail buffer grows in small steps, never past G
         assert c.n_tail <= cap_t <= min(G, c.n_tail + c.tail_step)
         expect = {"sink_k": (B, H, 32, D), "sink_v": (B, H, 32, D), "tail_k": (B, H, cap_t, D), "tail_v": (B, H, cap_t, D)}
-        cap = c.tiles.capacity
-        expect.update({"tiles.k_a": (B, H, cap, D), "tiles.k_b": (B, H, cap, D), "tiles.k_t": (B, H, cap, G),
-                       "tiles.v_a": (B, H, cap, G), "tiles.v_b": (B, H, cap, G), "tiles.v_c": (B, H, cap, D)})
+        cap = c.tiles.capacity  # tile-major storage
+        expect.update({"tiles.k_a": (cap, B, H, D), "tiles.k_b": (cap, B, H, D), "tiles.k_t": (cap, B, H, G),
+                       "tiles.v_a": (cap, B, H, G), "tiles.v_b": (cap, B, H, G), "tiles.v_c": (cap, B, H, D)})
         floats = {n: x.shape for n, x in arrays.items() if mx.issubdtype(x.dtype, mx.floating)}
         assert floats == expect
         for n in SCALES:
@@ -215,6 +215,30 @@ def test_make_cache_per_layer_list_fp16_and_overrides():
     assert caches[0].config.sink_size == 0 and caches[0].config.group_size == 64
     with pytest.raises(ValueError, match="2 cache layers"):
         make_cache(model, ["k2v2_g128"])
+
+
+def test_make_cache_applies_overrides_to_configs_too():
+    model = tiny_model("qwen2")
+    cfg = KVarNConfig(k_bits=4, v_bits=4, group_size=64)
+    caches = make_cache(model, cfg, sink=0, iters=3)
+    assert all(c.config == KVarNConfig(k_bits=4, v_bits=4, group_size=64, sink=0, iters=3) for c in caches)
+    caches = make_cache(model, [cfg, "k2v2_g128"], sink=16)
+    assert [c.config.sink_size for c in caches] == [16, 16] and caches[1].config.k_bits == 2
+    assert make_cache(model, cfg)[0].config == cfg  # no overrides: the config as given
+    with pytest.raises((TypeError, ValueError), match="preset"):
+        make_cache(model, 4)
+
+
+def test_observe_sees_every_attention_call_of_any_cache():
+    model = tiny_model("gemma3")  # sliding-window (RotatingKVCache) and KVarN layers
+    caches = make_cache(model, "k4v2_g64")
+    seen = []
+    x = mx.array(tokens(80))[None]
+    with integration.observe(lambda q, k, v, cache, out: seen.append((type(cache).__name__, q.shape, out.shape))):
+        model(x, cache=caches)
+    model(x[:, :1], cache=caches)  # outside the block: not observed
+    assert [name for name, _, _ in seen] == [type(c).__name__ for c in caches]
+    assert all(q == o for _, q, o in seen)
 
 
 def test_unknown_preset_lists_presets():
@@ -311,7 +335,7 @@ def test_state_round_trips_every_setting(tmp_path):
     save_prompt_cache(path, [c, empty])
     a, e = load_prompt_cache(path)
     assert a.config == cfg and a.rotate_k is False and a.rotate_v is True
-    assert a.k_a.dtype == mx.bfloat16
+    assert a.tiles.k_a.dtype == mx.bfloat16
     assert e.empty() and e.config == get_preset("k2v2_g128")
     # Loaded with its own settings; both still work and agree.
     k2, v2 = rand_kv(1, 2, 1, 64, dtype=mx.float32, seed=5)

@@ -32,7 +32,7 @@ import pytest
 from kvarn_mlx import dispatch, kernels, quant
 from kvarn_mlx import reference as ref
 from kvarn_mlx.attention import attend, attend_view
-from kvarn_mlx.tiles import StepView, Tiles
+from kvarn_mlx.tiles import StepView, Tiles, append
 import metal_emulator
 from refcheck import ITERS, MAX_MISMATCH, SCALE_RTOL, TIE, ref_candidates, rel_err
 
@@ -251,8 +251,8 @@ def _attention_reference(q, c, scale, kb, vb, causal=True):
 
 
 def _att_args(q, c, scale, kb, vb, causal=True, rotate_keys=True, rotate_values=True):
-    view = StepView(c["sink_k"], c["sink_v"], Tiles(*c["kq"], *c["vq"]), c["n"], c["tail_k"], c["tail_v"],
-                    kb, vb, rotate_keys, rotate_values)
+    storage = append(None, Tiles(*c["kq"], *c["vq"]), 0)  # capacity: c["n"] tiles and the spare ones
+    view = StepView(c["sink_k"], c["sink_v"], storage, c["n"], c["tail_k"], c["tail_v"], kb, vb, rotate_keys, rotate_values)
     return q, view, scale, causal
 
 
