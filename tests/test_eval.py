@@ -1,5 +1,6 @@
 """Fast checks of kvarn_mlx.eval on a tiny random model: metrics with known
-answers, a KIVI tile against numpy, and every subcommand end to end."""
+answers, the baseline tile caches against numpy, both attention modes, and
+every subcommand end to end."""
 
 import json
 from dataclasses import replace
@@ -7,11 +8,15 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.cache import KVCache
 
-from kvarn_mlx.eval import methods as ev
+from kvarn_mlx import integration
+from kvarn_mlx import reference as ref
+from kvarn_mlx.cache import KVarNCache
 from kvarn_mlx.eval.__main__ import main
 from kvarn_mlx.eval.fidelity import fidelity
-from kvarn_mlx.cache import KVarNCache
+from kvarn_mlx.eval.methods import make_caches, method_bits, method_cache
+from kvarn_mlx.eval.runner import Dequantized
 
 from models import tiny_model
 
@@ -24,6 +29,29 @@ class Bytes:
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama64")
+
+
+class _OneLayer:
+    """A model of one plain-cache layer, for make_caches."""
+
+    layers = [None]
+
+    def make_cache(self):
+        return [KVCache()]
+
+
+def kv(L=300, D=64, seed=0):
+    rng = np.random.default_rng(seed)
+    # Channels of different scales, as keys have.
+    k = rng.normal(size=(1, 2, L, D)) * rng.uniform(0.2, 5, size=(1, 1, 1, D))
+    return k.astype(np.float32), rng.normal(size=(1, 2, L, D)).astype(np.float32)
+
+
+def all_tokens(cache, k, v):
+    """Every token of k, v [1, H, L, D] as the cache holds them (all whole tiles quantized), numpy."""
+    cache.update_and_fetch(mx.array(k), mx.array(v))
+    kh, vh = cache.update_and_fetch(mx.array(k[..., :0, :]), mx.array(v[..., :0, :]))  # a 0-token step sees every tile
+    return np.array(kh), np.array(vh)
 
 
 def test_fp_against_itself_is_exact(model):
@@ -40,6 +68,22 @@ def test_quantized_methods_differ_and_report_bytes(model):
     for m in ("kivi2", "kvarn4", "mlxq2"):
         assert 0 < rows[m]["bytes"] < rows["fp"]["bytes"]
     assert rows["konly2"]["bytes"] > rows["kivi2"]["bytes"]  # V kept in full precision
+    # 2 layers, 2 kv heads, head dim 64, K and V, 2 bytes each.
+    assert all(r["fp16_bytes"] == 2 * 2 * 2 * 512 * 64 * 2 for r in res["rows"])
+    # kivi2: 2-bit codes, float16 scales a, b per channel (K) / per token (V) and t / c of 128-token tiles.
+    assert rows["kivi2"]["bits_per_quantized_element"] == 2 + 8 * 2 * (3 * 64 + 3 * 128) / (2 * 128 * 64)
+
+
+def test_method_names():
+    assert [method_bits(m) for m in ("fp", "kvarn2", "k4v2_g128", "konly4", "vonly2", "mlxq4")] == \
+        ["16/16", "2/2", "4/2", "4/fp", "fp/2", "4/4"]
+    cls, cfg = method_cache("kivi2")
+    assert cls is KVarNCache and cfg.iters == 0 and not cfg.rotate_keys and not cfg.rotate_values
+    assert method_cache("rot4")[1].iters == 0 and method_cache("rot4")[1].rotate_keys
+    assert method_cache("norm2")[1].iters == 8 and not method_cache("norm2")[1].rotate_values
+    for bad in ("kivi3", "kvarn", "nope2"):
+        with pytest.raises(ValueError, match="unknown method"):
+            method_cache(bad)
 
 
 def _rtn(x, bits, axis):
@@ -49,58 +93,99 @@ def _rtn(x, bits, axis):
 
 
 def test_kivi_tile_matches_numpy():
-    cfg = ev.method_config("kivi2")
-    assert cfg.iters == 0 and not cfg.rotate_keys and not cfg.rotate_values
-    rng = np.random.default_rng(0)
-    k = rng.normal(size=(1, 2, 256, 64)).astype(np.float32) * rng.uniform(0.2, 5, size=(1, 1, 1, 64)).astype(np.float32)
-    v = rng.normal(size=(1, 2, 256, 64)).astype(np.float32)
-    for c in (KVarNCache(replace(cfg, scale_dtype="float32")),
-              ev.TileCache(ev.KVarNSide(True, 2, iters=0, rotate=False), ev.KVarNSide(False, 2, iters=0, rotate=False))):
-        c.update_and_fetch(mx.array(k), mx.array(v))
-        if isinstance(c, KVarNCache):
-            kh, vh = c.update_and_fetch(mx.array(k[..., :0, :]), mx.array(v[..., :0, :]))
-        else:
-            kh, vh = c.fetch_all()
-        kh, vh = np.array(kh), np.array(vh)
-        np.testing.assert_array_equal(kh[..., :128, :], k[..., :128, :])  # sink untouched
-        # KIVI: keys per channel over the tile's tokens, values per token over channels.
-        tol = 2e-3 if isinstance(c, ev.TileCache) else 1e-5  # TileCache keeps float16 scales
-        np.testing.assert_allclose(kh[..., 128:, :], _rtn(k[..., 128:, :], 2, axis=2), atol=tol * 20, rtol=tol)
-        np.testing.assert_allclose(vh[..., 128:, :], _rtn(v[..., 128:, :], 2, axis=3), atol=tol * 20, rtol=tol)
+    k, v = kv(256)
+    kh, vh = all_tokens(KVarNCache(replace(method_cache("kivi2")[1], scale_dtype="float32")), k, v)
+    np.testing.assert_array_equal(kh[..., :128, :], k[..., :128, :])  # sink untouched
+    # KIVI: keys per channel over the tile's tokens, values per token over channels.
+    np.testing.assert_allclose(kh[..., 128:, :], _rtn(k[..., 128:, :], 2, axis=2), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(vh[..., 128:, :], _rtn(v[..., 128:, :], 2, axis=3), atol=2e-5, rtol=1e-5)
 
 
-def test_tilecache_matches_kvarncache():
-    """The eval-only cache with KVarN's quantizers sees the same K/V as the real cache."""
-    k = mx.random.normal((1, 2, 300, 64), key=mx.random.key(1))
-    v = mx.random.normal((1, 2, 300, 64), key=mx.random.key(2))
-    a, b = KVarNCache(ev.method_config("kvarn2")), ev.TileCache(ev.KVarNSide(True, 2), ev.KVarNSide(False, 2))
-    for s in (0, 100, 260):
-        e = {0: 100, 100: 260, 260: 300}[s]
-        ka, va = a.update_and_fetch(k[:, :, s:e], v[:, :, s:e])
-        kb, vb = b.update_and_fetch(k[:, :, s:e], v[:, :, s:e])
-        np.testing.assert_allclose(np.array(ka), np.array(kb), atol=1e-5)
-        np.testing.assert_allclose(np.array(va), np.array(vb), atol=1e-5)
+def test_oracle_keys_match_numpy():
+    k, v = kv(256)
+    cls, cfg = method_cache("oracle2")
+    kh, _ = all_tokens(cls(cfg), k, v)
+    H = ref.hadamard(64).astype(np.float64)
+    rot = k[..., 128:, :].astype(np.float64) @ H.T
+    t = np.maximum(rot.std(axis=-1, ddof=1, keepdims=True), 1e-6)  # exact per-token scale
+    want = (_rtn(rot / t, 2, axis=2) * t) @ H
+    np.testing.assert_allclose(kh[..., 128:, :], want, atol=5e-3 * np.abs(want).max())
+
+
+def test_affine_tiles_are_mlx_lm_format_per_token():
+    k, v = kv(300)
+    cls, cfg = method_cache("affine4")
+    kh, vh = all_tokens(cls(cfg), k, v)
+    for x, xh in ((k, kh), (v, vh)):
+        np.testing.assert_array_equal(xh[..., :128, :], x[..., :128, :])  # the sink
+        np.testing.assert_array_equal(xh[..., 256:, :], x[..., 256:, :])  # the tail
+        rows = mx.array(x[0, :, 128:256, :].reshape(-1, 64))  # one token per row
+        want = mx.dequantize(*mx.quantize(rows, group_size=64, bits=4), group_size=64, bits=4)
+        np.testing.assert_array_equal(xh[0, :, 128:256, :], np.array(want).reshape(2, 128, 64))
+        assert np.abs(xh[..., 128:256, :] - x[..., 128:256, :]).max() > 0
+
+
+@pytest.mark.parametrize("name, exact", [("konly2", 1), ("vonly2", 0)])
+def test_one_side_caches(name, exact):
+    """The quantized side is KVarN's, bit for bit; the other side stays exact."""
+    k, v = kv(300)
+    cls, cfg = method_cache(name)
+    one = all_tokens(cls(cfg), k, v)
+    both = all_tokens(KVarNCache(method_cache("kvarn2")[1]), k, v)
+    np.testing.assert_array_equal(one[exact], (k, v)[exact])
+    np.testing.assert_array_equal(one[1 - exact], both[1 - exact])
+
+
+@pytest.mark.parametrize("name", ["kvarn2", "oracle2", "affine2", "konly2", "mlxq2"])
+def test_packed_and_dequant_attention_agree(name):
+    """What the patched entry point computes over each cache equals mlx-lm's
+    attention over the keys and values the Dequantized view returns."""
+    k, v = kv(300)
+    q = np.random.default_rng(1).normal(size=(1, 6, 44, 64)).astype(np.float32)
+    integration.patch()
+    packed_cache, plain_cache = make_caches(_OneLayer(), name)[0], Dequantized(make_caches(_OneLayer(), name)[0])
+    outs = []
+    for c in (packed_cache, plain_cache):
+        c.update_and_fetch(mx.array(k[..., :256, :]), mx.array(v[..., :256, :]))
+        kk, vv = c.update_and_fetch(mx.array(k[..., 256:, :]), mx.array(v[..., 256:, :]))
+        # A fresh query array per call: mlx-lm's quantized attention scales its queries in place.
+        outs.append(integration.scaled_dot_product_attention(mx.array(q), kk, vv, c, 0.125, "causal"))
+    np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), atol=2e-4, rtol=2e-4)
+
+
+def test_attention_modes_give_the_same_numbers(model):
+    methods = ["kvarn2", "affine2", "mlxq4"]
+    a, b = (fidelity(model, Bytes(), methods, [384], chunk=128, attention_mode=m)["rows"] for m in ("dequant", "packed"))
+    for x, y in zip(a, b):
+        assert x["method"] == y["method"] and x["bytes"] == y["bytes"]
+        assert x["kl_mean"] == pytest.approx(y["kl_mean"], rel=1e-3, abs=1e-7)
 
 
 @pytest.mark.parametrize("argv", [
     ["fidelity", "--contexts", "256,384", "--methods", "kivi2,oracle2,affine2,mlxq2,vonly2,k4v2_g128", "--chunk", "128"],
     ["accumulation", "--context", "512", "--methods", "kivi2,rot2,kvarn2,mlxq2"],
+    ["--attention", "packed", "accumulation", "--context", "384", "--methods", "auto2,konly2,mlxq2"],
     ["decode", "--prompt-len", "160", "--steps", "24", "--methods", "kivi2,kvarn2", "--text", "topics", "--prompts", "2"],
 ])
 def test_cli_end_to_end(model, tmp_path, argv):
-    main(["--out", str(tmp_path), *argv], model=model, tokenizer=Bytes(), model_name="tiny llama64")
-    stem = argv[0]
+    main(["--out", str(tmp_path), "--tag", "t", *argv], model=model, tokenizer=Bytes(), model_name="tiny llama64")
+    stem = next(a for a in argv if a in ("fidelity", "accumulation", "decode")) + "_t"
     data = json.loads((tmp_path / f"{stem}.json").read_text())
     assert data["meta"]["model"] == "tiny llama64" and "mlx" in data["meta"]["versions"]
     assert "openblas_preloaded" in data["meta"] and data["meta"]["command"].endswith(" ".join(argv))
     assert (tmp_path / f"{stem}.md").read_text().startswith("#")
+    if "accumulation" in argv:
+        for r in data["result"]["summary"]:
+            assert r["acc_mean"] > 0 and r["static_mean"] > 0
     try:
         import matplotlib  # noqa: F401
         assert data["plots"] and all((tmp_path / p).exists() for p in data["plots"])
+        assert all(p.endswith("_t.png") for p in data["plots"])
     except ImportError:
         pass
+    assert not list(tmp_path.glob(".plots.*"))  # the scratch folder is gone
 
 
-def test_unknown_method_fails_early(model, tmp_path):
+def test_unknown_method_fails_early(tmp_path):
     with pytest.raises(ValueError, match="unknown method"):
-        main(["--out", str(tmp_path), "fidelity", "--methods", "kivi3"], model=model, tokenizer=Bytes())
+        main(["--out", str(tmp_path), "fidelity", "--methods", "kivi3"], model=object(), tokenizer=Bytes())

@@ -1,7 +1,8 @@
 """How close a quantized KV cache stays to full precision (python -m kvarn_mlx.eval).
 
-    runner.py        text, chunked runs, attention mode, metadata, writing results
+    runner.py        text, chunked runs, attention modes, metadata, writing results
     methods.py       method names -> caches, bytes held
+    baselines.py     tile caches quantizing another way, on KVarNCache's token flow
     fidelity.py      teacher-forced logits vs the plain cache, per context length
     accumulation.py  attention-output error by position, accumulated vs static
     decode.py        greedy decoding: first divergence, per-step KL

@@ -12,10 +12,10 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import QuantizedKVCache
 
+from .. import integration
 from ..cache import KVarNCache
-from .methods import TileCache
 from .methods import G, SINK, make_caches
-from .runner import Progress, attention, pyplot, tokens
+from .runner import Progress, for_model, pyplot, tokens
 
 NAME = "accumulation"
 HELP = "attention-output error vs position: accumulated and static"
@@ -38,11 +38,11 @@ def run(args, model, tokenizer, methods, meta_md):
 
 def accumulation(model, tokenizer, methods, context=2048, block=G, source="topics", attention_mode="dequant"):
     ids = tokens(tokenizer, source, context)
-    ref, q, kv = _capture_run(model, ids, mlx_cache.make_prompt_cache(model), block, "fp", attention_mode, True)
+    ref, q, kv = _capture_run(model, ids, mlx_cache.make_prompt_cache(model), block, "fp", True)
     scale = model.layers[0].self_attn.scale
     res = {"context": context, "block": block, "source": source, "methods": {}}
     for name in methods:
-        out = _capture_run(model, ids, make_caches(model, name), block, name, attention_mode)
+        out = _capture_run(model, ids, for_model(make_caches(model, name), attention_mode), block, name)
         acc = np.stack([np.abs(o - r).mean(axis=1) for o, r in zip(out, ref)])  # [layers, L]
         fresh = make_caches(model, name)
         sta = np.stack([np.abs(_static_outputs(fresh[i], q[i], *kv[i], scale, block) - ref[i]).mean(axis=1)
@@ -51,15 +51,16 @@ def accumulation(model, tokenizer, methods, context=2048, block=G, source="topic
     return res
 
 
-def _capture_run(model, ids, caches, block, label, attention_mode, want_qkv=False):
+def _capture_run(model, ids, caches, block, label, want_qkv=False):
     """Chunked prefill capturing every layer's attention output [L, Hq*D] (numpy),
     and (want_qkv) the queries and the final keys/values per layer."""
+    integration.patch()  # observers see calls through the patched entry point
     outs, qs, kv = [], [], None
     bar = Progress(math.ceil(len(ids) / block), label)
     x = mx.array(ids)[None]
     for s in range(0, len(ids), block):
         seen = []
-        with attention(attention_mode, observer=lambda q, k, v, cache, out: seen.append((q, k, v, out))):
+        with integration.observe(lambda q, k, v, cache, out: seen.append((q, k, v, out))):
             mx.eval(model(x[:, s : s + block], cache=caches))
         outs.append([np.array(o[0].swapaxes(0, 1).reshape(o.shape[2], -1)) for *_, o in seen])
         if want_qkv:
@@ -84,9 +85,6 @@ def _static_outputs(c, q, k, v, scale, block):
     if isinstance(c, KVarNCache):
         c.update_and_fetch(k, v)
         kh, vh = c.update_and_fetch(k[..., :0, :], v[..., :0, :])  # a 0-token step: every tile now counts as seen
-    elif isinstance(c, TileCache):
-        c.update_and_fetch(k, v)
-        kh, vh = c.fetch_all()
     elif isinstance(c, QuantizedKVCache):
         kq, vq = c.update_and_fetch(k, v)
         kh = mx.dequantize(*kq, group_size=c.group_size, bits=c.bits)

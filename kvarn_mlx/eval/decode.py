@@ -6,7 +6,7 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 from .methods import make_caches, method_bits
-from .runner import Progress, attention, log_softmax, pyplot, run_chunks, tokens
+from .runner import Progress, for_model, log_softmax, pyplot, run_chunks, tokens
 
 NAME = "decode"
 HELP = "greedy decode: first divergence and per-step KL"
@@ -34,15 +34,15 @@ def decode(model, tokenizer, methods, prompt_len=384, steps=256, source="license
     all_ids = tokens(tokenizer, source, prompt_len * prompts)
     res = {"prompt_len": prompt_len, "steps": steps, "source": source, "prompts": prompts,
            "methods": {m: {"kl_per_prompt": [], "first_divergence": []} for m in methods}}
-    with attention(attention_mode):
-        for j in range(prompts):
-            ids = all_ids[j * prompt_len : (j + 1) * prompt_len]
-            tag = f"p{j} " if prompts > 1 else ""
-            traj, ref_lp = _greedy(model, ids, mlx_cache.make_prompt_cache(model), steps, chunk, f"{tag}fp")
-            for name in methods:
-                kls, first_div = _forced(model, ids, make_caches(model, name), traj, ref_lp, chunk, f"{tag}{name}")
-                res["methods"][name]["kl_per_prompt"].append(np.array(kls))
-                res["methods"][name]["first_divergence"].append(first_div)
+    for j in range(prompts):
+        ids = all_ids[j * prompt_len : (j + 1) * prompt_len]
+        tag = f"p{j} " if prompts > 1 else ""
+        traj, ref_lp = _greedy(model, ids, mlx_cache.make_prompt_cache(model), steps, chunk, f"{tag}fp")
+        for name in methods:
+            caches = for_model(make_caches(model, name), attention_mode)
+            kls, first_div = _forced(model, ids, caches, traj, ref_lp, chunk, f"{tag}{name}")
+            res["methods"][name]["kl_per_prompt"].append(np.array(kls))
+            res["methods"][name]["first_divergence"].append(first_div)
     for r in res["methods"].values():
         r["kl"] = np.mean(r["kl_per_prompt"], axis=0)
         # No divergence within the steps counts as `steps` (a lower bound) for the median.

@@ -7,8 +7,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from .methods import SINK, cache_bytes, fp16_bytes, make_caches, method_bits
-from .runner import attention, log_softmax, pyplot, run_chunks, tokens
+from .methods import SINK, cache_bytes, make_caches, method_bits
+from .runner import for_model, log_softmax, pyplot, run_chunks, tokens
 
 NAME = "fidelity"
 HELP = "teacher-forced KL / top-1 / perplexity vs the plain cache"
@@ -62,8 +62,7 @@ def fidelity(model, tokenizer, methods, contexts, source="topics", chunk=256, at
                 at[s + n] = cache_bytes(caches)
 
         t0 = time.time()
-        with attention(attention_mode):
-            run_chunks(model, ids, caches, chunk, measure, label=name)
+        run_chunks(model, ids, for_model(caches, attention_mode), chunk, measure, label=name)
         seconds[name] = time.time() - t0
         per_pos[name] = {"kl": np.concatenate(kl), "agree": np.concatenate(agree), "nll": np.concatenate(nll)}
         bytes_at[name] = at
@@ -82,7 +81,7 @@ def fidelity(model, tokenizer, methods, contexts, source="topics", chunk=256, at
                 "method": name, "bits_kv": method_bits(name), "context": Lc,
                 "kl_mean": float(np.maximum(kl, 0).mean()), "kl_p99": float(np.percentile(np.maximum(kl, 0), 99)),
                 "top1_agree": float(p["agree"][sel].mean()), "ppl": ppl, "ppl_delta": ppl - ppl_fp,
-                "bytes": b.get("bytes"), "fp16_bytes": fp16_bytes(model, Lc),
+                "bytes": b.get("bytes"), "fp16_bytes": bytes_at["fp"][Lc]["fp16_bytes"],
                 "bits_per_quantized_element": b.get("bits_per_quantized_element"),
             })
     return {"rows": rows, "seconds": seconds, "source": source, "chunk": chunk, "sink": sink,

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import QuantizedKVCache, _BaseCache
+
+from ..cache import KVarNCache
 
 
 class Progress:
@@ -173,49 +176,44 @@ def write_results(out, stem, tag, meta, result, markdown, draw):
 ATTENTION_MODES = ("dequant", "packed")
 
 
-class _Route:
-    mode = "dequant"
-    observer = None
+class Dequantized(_BaseCache):
+    """A quantized cache shown to the model as a plain one: update_and_fetch
+    returns its keys and values dequantized, so mlx-lm's own attention
+    (mx.fast.scaled_dot_product_attention) runs over them."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    @property
+    def offset(self):
+        return self.cache.offset
+
+    def update_and_fetch(self, keys, values):
+        k, v = self.cache.update_and_fetch(keys, values)
+        c = self.cache
+        if isinstance(c, QuantizedKVCache):
+            k = mx.dequantize(*k, group_size=c.group_size, bits=c.bits)
+            v = mx.dequantize(*v, group_size=c.group_size, bits=c.bits)
+        return k.astype(keys.dtype), v.astype(values.dtype)
+
+    def size(self):
+        return self.cache.size()
+
+    def empty(self):
+        return self.cache.empty()
+
+    def make_mask(self, *args, **kwargs):
+        return self.cache.make_mask(*args, **kwargs)
 
 
-def _eval_sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
-    from mlx_lm.models.cache import QuantizedKVCache
-
-    from .. import attention as kv_attention
-
-    if _Route.mode == "packed":
-        out = kv_attention.scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=sinks, **kwargs)
-    else:
-        if isinstance(cache, QuantizedKVCache):
-            keys = mx.dequantize(*keys, group_size=cache.group_size, bits=cache.bits)
-            values = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits)
-        out = mx.fast.scaled_dot_product_attention(queries, keys.astype(queries.dtype), values.astype(queries.dtype),
-                                                   scale=scale, mask=mask, sinks=sinks)
-    if _Route.observer is not None:
-        _Route.observer(queries, keys, values, cache, out)
-    return out
-
-
-@contextlib.contextmanager
-def attention(mode="dequant", observer=None):
-    """Run the model's attention over quantized caches in `mode`: "packed" (the
-    product's path) or "dequant" (mx.fast.scaled_dot_product_attention over the
-    dequantized K/V: the same numbers up to float rounding, much faster on CPU).
-    observer(queries, keys, values, cache, output) sees every attention call."""
-    from .. import attention as kv_attention
-
+def for_model(caches, mode):
+    """The cache list the model runs with: in "packed" mode the caches themselves
+    (KVarN caches attend through kvarn_mlx's packed attention, mlx-lm's
+    QuantizedKVCache through mlx-lm's quantized attention); in "dequant" mode
+    every quantized cache behind Dequantized: the same numbers up to float
+    rounding, and much faster on CPU."""
     if mode not in ATTENTION_MODES:
         raise ValueError(f"attention mode {mode!r}: use one of {ATTENTION_MODES}")
-    kv_attention.patch()
-    held = [(m, m.scaled_dot_product_attention) for n, m in list(sys.modules.items())
-            if n.startswith("mlx_lm.models") and getattr(m, "scaled_dot_product_attention", None)
-            in (kv_attention.scaled_dot_product_attention, kv_attention._original)]
-    _Route.mode, _Route.observer = mode, observer
-    for m, _ in held:
-        m.scaled_dot_product_attention = _eval_sdpa
-    try:
-        yield
-    finally:
-        for m, f in held:
-            m.scaled_dot_product_attention = f
-        _Route.observer = None
+    if mode == "packed":
+        return caches
+    return [Dequantized(c) if isinstance(c, (KVarNCache, QuantizedKVCache)) else c for c in caches]
