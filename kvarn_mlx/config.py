@@ -1,8 +1,9 @@
 """KVarN settings and the named presets (docs/algorithm.md, "Tiles, sink and tail")."""
 
+import re
 from dataclasses import dataclass, replace
 
-SUPPORTED_BITS = (2, 4)
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (64, 128)
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -62,10 +63,13 @@ class KVarNConfig:
         return name + "_auto" if self.rotate_keys == "auto" else name
 
 
+# Every width pair at G = 128 with keys at least as wide as values (score
+# errors pass through the softmax's exponential; value errors are averaged by
+# it), then the other shipped settings. Any kXvY_gG[_auto] name is accepted by
+# get_preset, listed here or not.
 PRESETS = {
-    "k2v2_g128": KVarNConfig(k_bits=2, v_bits=2, group_size=128),
-    "k4v2_g128": KVarNConfig(k_bits=4, v_bits=2, group_size=128),
-    "k4v4_g128": KVarNConfig(k_bits=4, v_bits=4, group_size=128),
+    **{f"k{kb}v{vb}_g128": KVarNConfig(k_bits=kb, v_bits=vb, group_size=128)
+       for kb in SUPPORTED_BITS for vb in SUPPORTED_BITS if vb <= kb},
     "k4v2_g64": KVarNConfig(k_bits=4, v_bits=2, group_size=64),
     # Beyond the paper: key rotation chosen per kv head (values always rotated).
     "auto2": KVarNConfig(k_bits=2, v_bits=2, group_size=128, rotate_keys="auto"),
@@ -78,13 +82,30 @@ DEFAULT_PRESET = "auto4v2"
 FP16 = "fp16"
 
 
+_NAME = re.compile(r"k(\d+)v(\d+)_g(\d+)(_auto)?")
+
+
 def get_preset(preset: "str | KVarNConfig", **overrides) -> KVarNConfig:
     """The named preset (or the given config), with any field overridden (e.g. sink=0, iters=16).
-    Overrides of None are ignored (a CLI option left unset)."""
+    Names are PRESETS' keys or kXvY_gG, with "_auto" for key rotation chosen per kv head
+    (KVarNConfig.name). Overrides of None are ignored (a CLI option left unset)."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if isinstance(preset, KVarNConfig):
         return replace(preset, **overrides)
-    if preset not in PRESETS:
-        valid = ", ".join(sorted(PRESETS))
-        raise ValueError(f"unknown KVarN preset {preset!r}; valid presets: {valid} (or a KVarNConfig)")
-    return replace(PRESETS[preset], **overrides)
+    if preset in PRESETS:
+        return replace(PRESETS[preset], **overrides)
+    m = _NAME.fullmatch(preset) if isinstance(preset, str) else None
+    named = None
+    if m:
+        kb, vb, g, auto = m.groups()
+        try:
+            named = KVarNConfig(k_bits=int(kb), v_bits=int(vb), group_size=int(g),
+                                rotate_keys="auto" if auto else True)
+        except ValueError:  # widths or G not supported: the message below lists what is
+            pass
+    if named is None:
+        valid = ", ".join(PRESETS)
+        raise ValueError(f"unknown KVarN preset {preset!r}; valid presets: {valid}, or any kXvY_gG or "
+                         f"kXvY_gG_auto with X, Y in {SUPPORTED_BITS} and G in {SUPPORTED_GROUP_SIZES} "
+                         "(or a KVarNConfig)")
+    return replace(named, **overrides)

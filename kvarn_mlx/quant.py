@@ -1,8 +1,10 @@
 """KVarN tile quantization with MLX ops, batched over any leading axes.
 
-The same math as reference.py (KVARN_SPEC.md sections 1-4, 7), for every
+The same math as reference.py (docs/algorithm.md), for every
 (batch, head, tile) in one call; runs on every MLX backend and under mx.compile.
 """
+
+import math
 
 import mlx.core as mx
 
@@ -21,15 +23,24 @@ def can_rotate(D: int) -> bool:
     return False
 
 
-def check_head_dim(D: int, bits: int):
-    if bits < 1 or 32 % bits:
-        raise ValueError(f"bits={bits} is not supported: it must divide 32 to pack codes into uint32 words")
-    per_word = 32 // bits
-    if D % per_word:
+# The code widths mx.quantized_matmul reads.
+BITS = (2, 3, 4, 5, 6, 8)
+
+
+def check_bits(n: int, bits: int, what: str):
+    """n codes of `bits` bits per packed row must fill whole uint32 words."""
+    if bits not in BITS:
+        raise ValueError(f"bits={bits} is not supported: use one of {BITS}")
+    if n * bits % 32:
         raise ValueError(
-            f"head dim {D} is not supported at {bits} bits: it must be a multiple of {per_word} "
+            f"{what} {n} is not supported at {bits} bits: {n}*{bits} must be a multiple of 32 "
             "to pack codes into uint32 words"
         )
+
+
+def check_head_dim(D: int, bits: int):
+    """Value codes are packed along the head dim."""
+    check_bits(D, bits, "head dim")
 
 
 def rotate(x):
@@ -63,11 +74,10 @@ def rotated_where(flag, x, fn):
     return fn(x) if flag else x
 
 
-def _check_tiles(x, bits, name):
+def _check_tiles(x, name):
     """Tiles must be [..., G, D] with G >= 2 tokens (std uses ddof=1)."""
     if x.ndim < 2 or x.shape[-2] < 2:
         raise ValueError(f"{name} tiles must have shape [..., G, D] with G >= 2; got shape {tuple(x.shape)}")
-    check_head_dim(x.shape[-1], bits)
 
 
 def _std(x, axis):
@@ -110,18 +120,41 @@ def rtn(X, bits):
     return code, scale, lo
 
 
+def _period(bits):
+    """(codes, words) of the shortest run of codes that fills whole words: a
+    3-bit row repeats every 32 codes in 3 words, a 4-bit row every 8 in 1."""
+    n = 32 // math.gcd(32, bits)
+    return n, n * bits // 32
+
+
 def pack(code, bits):
-    """uint32 codes [..., C] -> words [..., C*bits/32], LSB first (mx.quantize's layout)."""
-    per_word = 32 // bits
-    c = code.astype(mx.uint32).reshape(*code.shape[:-1], -1, per_word)
-    shifts = mx.arange(per_word, dtype=mx.uint32) * bits
-    return mx.sum(mx.left_shift(c, shifts), axis=-1).astype(mx.uint32)
+    """uint32 codes [..., C] -> words [..., C*bits/32]: one LSB-first bitstream
+    per row (mx.quantize's layout); a code may straddle two words."""
+    n, nw = _period(bits)
+    c = code.astype(mx.uint32).reshape(*code.shape[:-1], -1, n)
+    words = []
+    for w in range(nw):
+        at = [i * bits - 32 * w for i in range(n)]  # where code i starts, relative to word w
+        left = mx.left_shift(c, mx.array([max(s, 0) for s in at], mx.uint32))
+        right = mx.right_shift(c, mx.array([min(max(-s, 0), 31) for s in at], mx.uint32))
+        part = mx.where(mx.array([s >= 0 for s in at]), left, right)
+        inside = mx.array([-bits < s < 32 for s in at])
+        words.append(mx.sum(mx.where(inside, part, 0), axis=-1).astype(mx.uint32))  # disjoint bits: sum is or
+    return mx.stack(words, axis=-1).reshape(*code.shape[:-1], -1)
 
 
 def unpack(words, bits):
-    per_word = 32 // bits
-    shifts = mx.arange(per_word, dtype=mx.uint32) * bits
-    c = mx.bitwise_and(mx.right_shift(words[..., None], shifts), 2**bits - 1)
+    """words [..., W] -> uint32 codes [..., W*32/bits]."""
+    n, nw = _period(bits)
+    w = words.reshape(*words.shape[:-1], -1, nw)
+    first = [i * bits // 32 for i in range(n)]
+    shift = [i * bits % 32 for i in range(n)]
+    lo = mx.right_shift(mx.take(w, mx.array(first), axis=-1), mx.array(shift, mx.uint32))
+    if nw > 1:  # the high bits of codes that straddle into the next word
+        nxt = mx.take(w, mx.array([min(f + 1, nw - 1) for f in first]), axis=-1)
+        hi = mx.left_shift(nxt, mx.array([32 - s if s + bits > 32 else 0 for s in shift], mx.uint32))
+        lo = mx.where(mx.array([s + bits > 32 for s in shift]), mx.bitwise_or(lo, hi), lo)
+    c = mx.bitwise_and(lo, 2**bits - 1)
     return c.reshape(*words.shape[:-1], -1)
 
 
@@ -156,21 +189,19 @@ def _prepare(x, rotated):
 
 def quantize_keys(k, bits, iters=8, rotated=True, scale_dtype="float16"):
     """Key tiles k [..., G, D] (tokens x channels) -> (words [..., D, G*bits/32], a [..., D], b [..., D], t [..., G])."""
-    _check_tiles(k, bits, "key")
-    per_word = 32 // bits
-    if k.shape[-2] % per_word:
-        # K codes are packed along tokens.
-        raise ValueError(
-            f"key tiles of {k.shape[-2]} tokens (shape {tuple(k.shape)}) cannot be packed at {bits} bits: "
-            f"G must be a multiple of {per_word}"
-        )
+    _check_tiles(k, "key")
+    try:
+        check_bits(k.shape[-2], bits, "key tile size")  # K codes are packed along tokens
+    except ValueError as e:
+        raise ValueError(f"key tiles of shape {tuple(k.shape)}: {e}") from None
     M = mx.swapaxes(_prepare(k, rotated), -1, -2)
     return quantize_tiles(M, bits, iters, scale_dtype)
 
 
 def quantize_values(v, bits, iters=8, rotated=True, scale_dtype="float16"):
     """Value tiles v [..., G, D] -> (words [..., G, D*bits/32], a [..., G], b [..., G], c [..., D])."""
-    _check_tiles(v, bits, "value")
+    _check_tiles(v, "value")
+    check_head_dim(v.shape[-1], bits)
     return quantize_tiles(_prepare(v, rotated), bits, iters, scale_dtype)
 
 

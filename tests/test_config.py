@@ -26,8 +26,14 @@ def test_preset_by_name(name, expected):
 
 
 def test_preset_table_is_the_spec_table():
-    # The spec's presets, unchanged, plus the "auto" family (key rotation per head).
-    assert set(PRESETS) == set(SPEC_PRESETS) | {"auto2", "auto4v2"}
+    # The spec's presets, unchanged, every width pair at G=128 with K at least as
+    # wide as V, and the "auto" family (key rotation per head).
+    assert set(SPEC_PRESETS) <= set(PRESETS)
+    pairs = {(c.k_bits, c.v_bits) for n, c in PRESETS.items() if n.endswith("_g128")}
+    assert pairs == {(kb, vb) for kb in (2, 3, 4, 5, 6, 8) for vb in (2, 3, 4, 5, 6, 8) if vb <= kb}
+    assert set(PRESETS) == {f"k{kb}v{vb}_g128" for kb, vb in pairs} | {"k4v2_g64", "auto2", "auto4v2"}
+    for name, cfg in PRESETS.items():
+        assert name in ("auto2", "auto4v2") or cfg.name == name
     # upstream ships k4v2_g128; the default is that with per-head key rotation,
     # chosen on benchmarks/results/fidelity_auto.md.
     assert DEFAULT_PRESET == "auto4v2"
@@ -56,6 +62,19 @@ def test_free_choice_without_preset():
     assert cfg.name == "k2v4_g64"
 
 
+@pytest.mark.parametrize("name", ["k3v5_g64", "k8v4_g128_auto", "k6v6_g64_auto", "k2v8_g128"])
+def test_any_width_pair_by_name(name):
+    # Names not listed in PRESETS still resolve: kXvY_gG, "_auto" for per-head key rotation.
+    cfg = get_preset(name, sink=16)
+    assert cfg.name == name and cfg.sink_size == 16
+    assert cfg.rotate_keys == ("auto" if name.endswith("_auto") else True)
+
+
+@pytest.mark.parametrize("name", ["k7v4_g128", "k4v4_g32", "k4v4_g128_Auto", "k4v4", "auto8"])
+def test_unsupported_names_list_the_valid_ones(name):
+    with pytest.raises(ValueError, match="any kXvY_gG"):
+        get_preset(name)
+
 def test_unknown_preset_lists_valid_names():
     with pytest.raises(ValueError) as e:
         get_preset("k1v1_g128")
@@ -68,8 +87,8 @@ def test_unknown_preset_lists_valid_names():
 @pytest.mark.parametrize(
     "kwargs,needle",
     [
-        (dict(k_bits=3), "k_bits"),
-        (dict(v_bits=8), "v_bits"),
+        (dict(k_bits=7), "k_bits"),
+        (dict(v_bits=1), "v_bits"),
         (dict(k_bits=0), "k_bits"),
         (dict(group_size=32), "group_size"),
         (dict(group_size=100), "group_size"),
@@ -87,6 +106,6 @@ def test_bad_settings_raise(kwargs, needle):
 
 
 def test_supported_values_match_spec():
-    assert set(config.SUPPORTED_BITS) == {2, 4}
+    assert set(config.SUPPORTED_BITS) == {2, 3, 4, 5, 6, 8}
     assert set(config.SUPPORTED_GROUP_SIZES) == {64, 128}
     assert "float16" in config.SCALE_DTYPES
