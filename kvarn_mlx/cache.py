@@ -4,7 +4,8 @@ Per layer (B batch rows, H kv heads, D head dim, G tile tokens; docs/algorithm.m
 "Tiles, sink and tail"):
     sink_k/v  [B, H, S, D]    first S tokens, model dtype
     tiles     TileStorage     quantized tiles in the rotated space (tiles.py)
-    tail_k/v  [B, H, <G, D]   newest tokens that do not fill a tile, model dtype
+    tail_k/v  [B, H, <G, D]   newest tokens that do not fill a tile, model dtype (up to
+                              G + 15 after a short step: its tile waits for the next update)
 Tiles are quantized once, when the tail fills, and never again.
 """
 
@@ -43,6 +44,10 @@ class KVarNCache(_BaseCache):
 
     step_tiles = 4  # tile storage grows by at least this many tiles
     tail_step = 32  # the tail buffer grows by this many tokens
+    # Steps of at most this many tokens (decoding, speculative verification) leave
+    # the tiles they fill in the tail until the next update, after any trim: tokens
+    # a draft proposed and the model rejected never enter a quantized tile.
+    short_step = 16
 
     def __init__(self, config: KVarNConfig | str = DEFAULT_PRESET):
         self.config = get_preset(config) if isinstance(config, str) else config
@@ -79,7 +84,9 @@ class KVarNCache(_BaseCache):
                         f"shape {tuple(x.shape)} (a prompt cache made for another model?)")
         if self.key_candidates is not None:  # no attention call decided: the keys stand in
             self.decide_key_rotation()
+        self._commit()  # a short step's whole tiles, before this step reads the tiles
         n_seen = self.n_tiles
+        short = L <= self.short_step
         self.offset += L
 
         # 1. The sink fills first.
@@ -92,8 +99,9 @@ class KVarNCache(_BaseCache):
             keys, values = keys[..., n:, :], values[..., n:, :]
         L = keys.shape[2]
 
-        # 2. The rest joins the tail; every whole tile is quantized, once.
-        if self.n_tail + L < G:
+        # 2. The rest joins the tail; every whole tile is quantized, once (a short
+        # step's at the next update).
+        if self.n_tail + L < G or short:
             self._grow_tail(self.n_tail + L)
             self.tail_k[..., self.n_tail : self.n_tail + L, :] = keys
             self.tail_v[..., self.n_tail : self.n_tail + L, :] = values
@@ -128,10 +136,13 @@ class KVarNCache(_BaseCache):
         self.tail_v = mx.zeros((B, H, 0, D), values.dtype)
 
     def _grow_tail(self, n):
-        """Room for n tail tokens, added tail_step tokens at a time (no per-token copies)."""
+        """Room for n tail tokens, added tail_step tokens at a time (no per-token copies);
+        more than a tile only while a short step's tiles wait for the next update."""
         cap = self.tail_k.shape[2]
         if n > cap:
-            new_cap = min(-(-n // self.tail_step) * self.tail_step, self.config.group_size)
+            new_cap = -(-n // self.tail_step) * self.tail_step
+            if n <= self.config.group_size:
+                new_cap = min(new_cap, self.config.group_size)
             pad = [(0, 0), (0, 0), (0, new_cap - cap), (0, 0)]
             self.tail_k, self.tail_v = mx.pad(self.tail_k, pad), mx.pad(self.tail_v, pad)
 
@@ -142,6 +153,17 @@ class KVarNCache(_BaseCache):
         pad = [(0, 0), (0, 0), (0, cap - r), (0, 0)]
         self.tail_k, self.tail_v = mx.pad(k.astype(self.tail_k.dtype), pad), mx.pad(v.astype(self.tail_v.dtype), pad)
         self.n_tail = r
+
+    def _commit(self):
+        """Quantize the whole tiles waiting in the tail (left by a short step)."""
+        G = self.config.group_size
+        m = self.n_tail // G
+        if m == 0:
+            return
+        B, H, _, D = self.tail_k.shape
+        k, v = self.tail_k[..., : self.n_tail, :], self.tail_v[..., : self.n_tail, :]
+        self._append(k[..., : m * G, :].reshape(B, H, m, G, D), v[..., : m * G, :].reshape(B, H, m, G, D))
+        self._new_tail(k[..., m * G :, :], v[..., m * G :, :])
 
     def quantize(self, k, v) -> Tiles:
         """Full-precision tiles k, v [B, H, m, G, D] -> their packed Tiles.
@@ -219,8 +241,9 @@ class KVarNCache(_BaseCache):
         return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
 
     def trim(self, n):
-        """Drop the newest n tokens. Exact inside the tail; trimming into a
-        quantized tile dequantizes that tile back into the tail (approximate)."""
+        """Drop the newest n tokens. Exact inside the tail, which holds the tokens
+        of the last short step (speculative decoding trims only those); trimming
+        into a quantized tile dequantizes that tile back into the tail (approximate)."""
         n = max(0, min(self.offset, n))
         if n == 0:
             return 0
