@@ -34,7 +34,6 @@ UNANNOUNCED = pytest.mark.xfail(
     strict=True, raises=AssertionError,
     reason="a model that calls mx.fast.scaled_dot_product_attention itself gets dequantized K/V "
            "from update_and_fetch without a log line saying so")
-EIGHT_BITS = pytest.mark.xfail(strict=True, raises=ValueError, reason="8-bit widths land with issue 14 item 1")
 # MoE layers run float32 only on the CPU (mlx's GatherMM).
 MOE = {"qwen3_moe", "gpt_oss", "qwen3_next"}
 # Families whose attention does not go through mlx-lm's patched entry point.
@@ -182,7 +181,7 @@ def greedy(model, cache, prompt):
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=STEPS, prompt_cache=cache)]
 
 
-@pytest.mark.parametrize("family", family_params({f: EIGHT_BITS for f in FAMILIES if f != "falcon_h1"}))
+@pytest.mark.parametrize("family", family_params())
 def test_greedy_tokens_equal_the_plain_cache_at_8_bits(family):
     # Not at 4 bits: random weights leave near-tied logits that 4-bit tiles flip within a
     # few steps (test_packed_attention_equals_the_dequantized_fallback checks those tiles).
