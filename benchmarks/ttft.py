@@ -1,0 +1,230 @@
+"""Time to first token and decode speed against context, for the plain cache,
+mlx-lm's 4- and 8-bit QuantizedKVCache and the KVarN presets, in one run.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+        python benchmarks/ttft.py --contexts 2048,4096,8192
+    python benchmarks/ttft.py --quick --out /tmp/ttft     # tiny contexts (CI)
+
+Every method runs mlx-lm's own generate_step (what `kvarn_mlx.generate` and
+mlx-lm's CLI run): the prompt is prefilled in --chunk-token steps with the
+cache evaluated after each, then greedy decoding. Time to first token (TTFT)
+is from the call until the first token is out; decode step i is the time
+between tokens i and i+1, so steps 1-3 show any one-time cost a prefill
+leaves behind. Decode tokens/s is from the median of the steps after the
+third. mlx-lm's quantized caches run the way its CLI makes them (kv_bits,
+group 64, quantized from the first prefill step on). The prompt is the start
+of CPython's pydoc_data/topics.py. Methods run one after another for each
+context, alternating the order between repeats; ratios are against the plain
+cache at the same context in the same run.
+"""
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+from mlx_lm.models import cache as mlx_cache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvarn_mlx import PRESETS, make_cache, memory  # noqa: E402
+from kvarn_mlx.eval.runner import meta_markdown, metadata, pyplot, tokens  # noqa: E402
+
+PLAIN = "plain"
+MLX_QUANTIZED = {"mlxq4": 4, "mlxq8": 8}
+# The presets of the default run: the paper's widths, 8 bits, the small tile and the
+# "auto" ones (the default preset among them); --methods all runs every preset.
+KVARN = ("k2v2_g128", "k4v2_g128", "k4v4_g128", "k8v8_g128", "k4v2_g64", "auto2", "auto4v2")
+QUICK = dict(contexts="160,400", chunk=128, steps=5)
+
+
+def methods_default():
+    return [PLAIN, *MLX_QUANTIZED, *(m for m in KVARN if m in PRESETS)]
+
+
+def methods_all():
+    return [PLAIN, *MLX_QUANTIZED, *PRESETS]
+
+
+def run_one(model, ids, method, chunk, steps):
+    """One generation: TTFT, the seconds between consecutive tokens, peak memory and cache bytes."""
+    if method == PLAIN:
+        cache, kw = mlx_cache.make_prompt_cache(model), {}
+    elif method in MLX_QUANTIZED:
+        cache = mlx_cache.make_prompt_cache(model)
+        kw = dict(kv_bits=MLX_QUANTIZED[method], kv_group_size=64, quantized_kv_start=0)
+    else:
+        cache, kw = make_cache(model, method), {}
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    prefill_done = []
+    t0 = time.perf_counter()
+    gen = generate_step(mx.array(ids), model, prompt_cache=cache, max_tokens=steps + 1,
+                        prefill_step_size=chunk, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
+                        prompt_progress_callback=lambda done, total: prefill_done.append(time.perf_counter()), **kw)
+    out = []
+    for token, _ in gen:
+        out.append((time.perf_counter(), int(token)))
+    times = [t for t, _ in out]
+    return {
+        "ttft_s": times[0] - t0,
+        "decode_step_s": list(np.diff(times)),
+        "tokens": [tok for _, tok in out],
+        "peak_memory": mx.get_peak_memory(),
+        "cache_bytes": memory.cache_bytes(cache)["held"],
+    }
+
+
+def summarize(method, context, runs):
+    """Medians over repeats (steps elementwise)."""
+    steps = np.median(np.array([r["decode_step_s"] for r in runs]), axis=0)
+    later = steps[3:] if len(steps) > 3 else steps
+    return {
+        "context": context, "method": method, "repeats": len(runs),
+        "ttft_s": float(np.median([r["ttft_s"] for r in runs])),
+        "ttft_all_s": [r["ttft_s"] for r in runs],
+        "first_steps_s": [float(s) for s in steps[:3]],
+        "decode_step_s": [float(s) for s in steps],
+        "decode_tokens_per_s": float(1 / np.median(later)),
+        "peak_memory": max(r["peak_memory"] for r in runs),
+        "cache_bytes": runs[-1]["cache_bytes"],
+        "tokens": runs[-1]["tokens"],
+    }
+
+
+def add_ratios(rows):
+    for r in rows:
+        base = next((b for b in rows if b["context"] == r["context"] and b["method"] == PLAIN), None)
+        if base is None:
+            continue
+        r["ttft_vs_plain"] = r["ttft_s"] / base["ttft_s"]
+        r["first_step_vs_plain"] = r["first_steps_s"][0] / base["first_steps_s"][0]
+        r["decode_speed_vs_plain"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        r["peak_vs_plain"] = r["peak_memory"] / base["peak_memory"]
+
+
+def render(data):
+    meta = data["meta"]
+    md = ["# Time to first token and decode speed against context\n", meta_markdown(meta),
+          f"Load average (1/5/15 min) at the start: {data['load_start']}, at the end: {data['load_end']}.\n",
+          f"\nmlx-lm's generate_step for every method: prefill in {data['chunk']}-token steps, then greedy decoding. "
+          "TTFT = time to first token (the whole prefill); step 1-3 = seconds between tokens 1-2, 2-3, 3-4 (a one-time "
+          f"cost left by the prefill shows there); decode tok/s from the median of steps 4-{data['steps']}. "
+          "Ratios are against the plain cache at the same context, same run (TTFT and step 1: time ratios, > 1 is slower; "
+          "decode: speed ratio, > 1 is faster). Peak = mx.get_peak_memory over the generation (whole process, model "
+          "weights included). Cache = bytes of the arrays the cache holds after the run. plain = mlx-lm KVCache in the "
+          "model's dtype; mlxqB = mlx-lm QuantizedKVCache (B bits, group 64, quantized from the first prefill step on, "
+          f"as `--kv-bits B --quantized-kv-start 0`). Medians over {data['repeats']} repeat(s).\n"]
+    if meta["machine"]["device"].startswith("Device(cpu"):
+        md.append("**CPU**: float32 matmul runs on OpenBLAS here while MLX's CPU quantized matmul is slow; "
+                  "these ratios do not predict Apple-silicon speed.\n")
+    md += ["| context | method | TTFT s | TTFT vs plain | step 1 ms | step 2 ms | step 3 ms | step 1 vs plain | "
+           "decode tok/s | decode vs plain | peak MiB | cache MiB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        s = r["first_steps_s"] + [float("nan")] * (3 - len(r["first_steps_s"]))
+        md.append(f"| {r['context']} | {r['method']} | {r['ttft_s']:.2f} | {r.get('ttft_vs_plain', float('nan')):.2f}x | "
+                  f"{1e3 * s[0]:.0f} | {1e3 * s[1]:.0f} | {1e3 * s[2]:.0f} | "
+                  f"{r.get('first_step_vs_plain', float('nan')):.2f}x | {r['decode_tokens_per_s']:.2f} | "
+                  f"{r.get('decode_speed_vs_plain', float('nan')):.2f}x | {r['peak_memory'] / 2**20:.0f} | "
+                  f"{r['cache_bytes'] / 2**20:.1f} |")
+    return "\n".join(md) + "\n"
+
+
+def draw(rows, methods, path):
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    for m in methods:
+        rr = [r for r in rows if r["method"] == m]
+        ctx = [r["context"] for r in rr]
+        style = "o-" if m == PLAIN else ("s--" if m in MLX_QUANTIZED else "^-")
+        axes[0].plot(ctx, [r["ttft_s"] for r in rr], style, label=m)
+        axes[1].plot(ctx, [1e3 * r["first_steps_s"][0] for r in rr], style, label=m)
+        axes[2].plot(ctx, [r["decode_tokens_per_s"] for r in rr], style, label=m)
+    axes[0].set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="seconds", title="time to first token")
+    axes[1].set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="ms", title="first decode step")
+    axes[2].set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="tokens/s", title="decode speed")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def load_average():
+    try:
+        return Path("/proc/loadavg").read_text().split()[:3]
+    except OSError:
+        return None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="a model kvarn_mlx.loader.load accepts (default: the embedded one)")
+    p.add_argument("--contexts", default="2048,4096,8192", help="prompt lengths in tokens")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated, or 'all' for every preset (default: {','.join(methods_default())})")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill step size in tokens")
+    p.add_argument("--steps", type=int, default=8, help="decode steps timed after the first token")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help=f"tiny run for CI: {QUICK}")
+    p.add_argument("--text", default="topics")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default=None, help="suffix for the output files (ttft_<tag>.md)")
+    a = p.parse_args(argv)
+    if a.quick:
+        for k, v in QUICK.items():
+            setattr(a, k, v)
+    methods = methods_all() if a.methods == "all" else a.methods.split(",") if a.methods else methods_default()
+    if PLAIN not in methods:
+        methods.insert(0, PLAIN)
+    for m in methods:
+        if m not in methods_all():
+            p.error(f"unknown method {m!r}; use any of {','.join(methods_all())}")
+    contexts = [int(c) for c in a.contexts.split(",")]
+    if a.steps < 1 or a.chunk < 1 or min(contexts) < 2:
+        p.error("--steps and --chunk must be >= 1 and every context >= 2")
+
+    from kvarn_mlx.loader import load
+
+    model, tok = load(a.model)
+    name = a.model or "SmolLM2-135M-Instruct (embedded, float32)"
+    command = "python benchmarks/ttft.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    load_start = load_average()
+    ids_all = tokens(tok, a.text, max(contexts))
+    runs = {}
+    for ctx in contexts:
+        for rep in range(a.repeats):
+            order = methods if rep % 2 == 0 else methods[::-1]
+            for m in order:
+                r = run_one(model, ids_all[:ctx], m, a.chunk, a.steps)
+                runs.setdefault((ctx, m), []).append(r)
+                print(f"{ctx:>6} {m:<12} TTFT {r['ttft_s']:8.2f}s  steps 1-3 ms "
+                      f"{[round(1e3 * s) for s in r['decode_step_s'][:3]]}", file=sys.stderr, flush=True)
+    rows = [summarize(m, ctx, runs[(ctx, m)]) for ctx in contexts for m in methods]
+    add_ratios(rows)
+    data = {"meta": metadata(name, command), "load_start": load_start, "load_end": load_average(),
+            "chunk": a.chunk, "steps": a.steps, "repeats": a.repeats, "rows": rows}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "ttft" + (f"_{a.tag}" if a.tag else "")
+    text = render(data)
+    if draw(rows, methods, out / f"{stem}.png"):
+        data["plots"] = [f"{stem}.png"]
+        text += f"\n![{stem}.png]({stem}.png)\n"
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""benchmarks/ttft.py --quick end to end on a tiny model folder: every method at
+every context, in one run, with ratios against the plain cache of that run."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from model_folder import tiny_model_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ttft_quick(tmp_path):
+    ttft = _load("ttft")
+    folder = tiny_model_folder(tmp_path / "model")
+    out = tmp_path / "results"
+    assert ttft.main(["--quick", "--model", str(folder), "--out", str(out)]) == 0
+    data = json.loads((out / "ttft.json").read_text())
+    contexts = [int(c) for c in ttft.QUICK["contexts"].split(",")]
+    methods = ttft.methods_default()
+    assert [(r["context"], r["method"]) for r in data["rows"]] == [(c, m) for c in contexts for m in methods]
+    assert data["chunk"] == ttft.QUICK["chunk"] < max(contexts)  # the prefill really is chunked
+    for r in data["rows"]:
+        assert r["ttft_s"] > 0 and len(r["first_steps_s"]) == 3 and all(s > 0 for s in r["decode_step_s"])
+        assert len(r["tokens"]) == ttft.QUICK["steps"] + 1
+        assert r["cache_bytes"] > 0 and r["peak_memory"] > 0
+        base = next(b for b in data["rows"] if b["context"] == r["context"] and b["method"] == ttft.PLAIN)
+        assert r["ttft_vs_plain"] == pytest.approx(r["ttft_s"] / base["ttft_s"])
+        assert r["first_step_vs_plain"] == pytest.approx(r["first_steps_s"][0] / base["first_steps_s"][0])
+    md = (out / "ttft.md").read_text()
+    assert "python benchmarks/ttft.py --quick" in md and "OpenBLAS preloaded" in md
+    assert md.count("\n| ") == 1 + len(contexts) * len(methods)  # header + one row each
+    assert (out / "ttft.png").stat().st_size > 0
+
+
+def test_ttft_rejects_unknown_method(tmp_path):
+    with pytest.raises(SystemExit):
+        _load("ttft").main(["--quick", "--methods", "nope", "--out", str(tmp_path)])
