@@ -34,7 +34,7 @@ _sources: dict = {}
 
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 KERNEL_DIMS = (32, 64, 128, 256)  # head dims the kernels handle (D/32 a power of two)
-KERNEL_BITS = (2, 4, 8)
+KERNEL_BITS = (2, 3, 4, 5, 6, 8)
 
 
 # Sources and kernel objects ---------------------------------------------------------
@@ -83,6 +83,8 @@ def quantize_unsupported(x, bits, iters, scale_dtype):
         return f"tile size {G} (kernel: a power of two in 16..256)"
     if bits not in KERNEL_BITS:
         return f"{bits}-bit codes (kernel bits: {KERNEL_BITS})"
+    if G * bits % 32:  # key rows are a channel's G codes, bitstream-packed into whole words
+        return f"tile size {G} at {bits} bits (G*bits must fill uint32 words)"
     if x.dtype not in FLOAT_DTYPES:
         return f"input dtype {x.dtype}"
     if scale_dtype not in quant._SCALE_DTYPES:

@@ -29,9 +29,10 @@ constexpr int DPC = D / CP;          // channels per part
 constexpr int CPT = 4;               // channels per thread (value phase)
 constexpr int CL = D / (CPT * NSG);  // channel lanes per simdgroup
 constexpr int TL = 32 / CL;          // token lanes per simdgroup
-constexpr int KPER = 32 / KB, VPER = 32 / VB;
-constexpr int KW = G / KPER;         // words per channel row of a K tile
-constexpr int VW = D / VPER;         // words per token row of a V tile
+// Codes are one LSB-first bitstream per row: a K row is a channel's G tokens, a V
+// row a token's D channels. At 3, 5 and 6 bits a code may straddle two words.
+constexpr int KW = G * KB / 32;      // words per channel row of a K tile
+constexpr int VW = D * VB / 32;      // words per token row of a V tile
 constexpr uint KMASK = (1u << KB) - 1u, VMASK = (1u << VB) - 1u;
 
 threadgroup float QA[RC * D];  // query rows with the tile's per-channel scale a_k folded in
@@ -120,11 +121,14 @@ for (int blk = 0; blk < nblk; blk++) {
         }
       }
     } else {
-      const int sh = KB * (gs % KPER);
-      const size_t wb = tb * D * KW + gs / KPER;
+      const int bit = KB * gs, sh = bit % 32;
+      const bool straddles = sh + KB > 32;  // only at 3, 5, 6 bits
+      const size_t wb = tb * D * KW + bit / 32;
       for (int j = 0; j < DPC; j++) {
         const int d = cp * DPC + j;
-        const float code = float((k_words[wb + size_t(d) * KW] >> sh) & KMASK);
+        uint c = k_words[wb + size_t(d) * KW] >> sh;
+        if (straddles) c |= k_words[wb + size_t(d) * KW + 1] << (32 - sh);
+        const float code = float(c & KMASK);
         for (int r = 0; r < RC; r++) acc[r] += QA[r * D + d] * code;
       }
     }
@@ -186,9 +190,13 @@ for (int blk = 0; blk < nblk; blk++) {
           }
         }
       } else {
-        const uint w = v_words[(tb * G + g) * VW + d0 / VPER];
-        const int sh = VB * (d0 % VPER);
-        for (int j = 0; j < CPT; j++) val[j] = float((w >> (sh + VB * j)) & VMASK);
+        // The CPT codes of channels d0.. take CPT*VB <= 32 bits from bit d0*VB on: one word, or two.
+        const size_t wi = (tb * G + g) * VW + d0 * VB / 32;
+        const int sh = d0 * VB % 32;
+        ulong w = v_words[wi];
+        if (sh + CPT * VB > 32) w |= ulong(v_words[wi + 1]) << 32;
+        w >>= sh;
+        for (int j = 0; j < CPT; j++) val[j] = float(uint(w >> (VB * j)) & VMASK);
       }
       for (int r = 0; r < RC; r++) {
         const float pa = PA[r * G + g], pb = PB[r * G + g];

@@ -20,9 +20,8 @@ constexpr int EPL = D / 32;
 constexpr int RPS = G / NSG;
 constexpr int NTH = NSG * 32;
 constexpr uint QMAX = (1u << BITS) - 1u;
-constexpr int PER = 32 / BITS;
 
-threadgroup uint red[NSG * D];   // per-(simdgroup, channel) partials (float bits) / K code partial words
+threadgroup uint red[NSG * D];   // per-(simdgroup, channel) partials (float bits); codes as bytes when packing
 threadgroup float chv[D];        // per-channel totals
 threadgroup float gred[2 * NSG]; // per-simdgroup values for tile-wide max/min
 
@@ -228,66 +227,40 @@ if (KEYS) {
   }
 }
 
-// codes: clip(rint((balanced - lo) / scale), 0, qmax), packed LSB-first
-if (KEYS) {
-  // words along tokens: [D, G/PER] per tile
-  constexpr int WPR = G / PER;
-  if (RPS >= PER) {
-    for (int e = 0; e < EPL; e++) {
-      for (int j = 0; j < RPS / PER; j++) {
-        uint word = 0;
-        for (int i = 0; i < PER; i++) {
-          const float u = metal::rint((x[j * PER + i][e] - lo[e]) / scl[e]);
-          word |= uint(metal::clamp(u, 0.0f, float(QMAX))) << (BITS * i);
-        }
-        words[(size_t(tile) * D + lane * EPL + e) * WPR + sg * (RPS / PER) + j] = word;
-      }
-    }
-  } else {
-    // One word spans SPW simdgroups: OR their partial words through threadgroup memory.
-    constexpr int SPW = PER / RPS;
-    for (int e = 0; e < EPL; e++) {
-      uint word = 0;
-      for (int r = 0; r < RPS; r++) {
-        const float u = metal::rint((x[r][e] - lo[e]) / scl[e]);
-        word |= uint(metal::clamp(u, 0.0f, float(QMAX))) << (BITS * ((sg * RPS + r) % PER));
-      }
-      red[sg * D + lane * EPL + e] = word;
-    }
-    // Barrier: all partial words must be in `red` before they are combined
-    // (the last reader of `red` finished before the previous barrier).
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int idx = tid; idx < D * WPR; idx += NTH) {
-      const int d = idx / WPR, w = idx % WPR;
-      uint word = 0;
-      for (int s = w * SPW; s < (w + 1) * SPW; s++) word |= red[s * D + d];
-      words[(size_t(tile) * D + d) * WPR + w] = word;
-    }
-  }
-} else {
-  // words along channels: [G, D/PER] per tile
-  constexpr int WPR = D / PER;
+// codes: clip(rint((balanced - lo) / scale), 0, qmax), packed as one LSB-first
+// bitstream per row (keys: a channel's G tokens; values: a token's D channels);
+// at 3, 5 and 6 bits a code may straddle two words. Codes of CH tokens at a time
+// go through threadgroup memory as bytes (`red` is free: its last readers passed
+// a barrier), then each thread assembles whole output words from them.
+constexpr int CH = G < 4 * NSG ? G : 4 * NSG;  // tokens per pass: CH*D bytes fit in `red`
+constexpr int WPR = KEYS ? G * BITS / 32 : D * BITS / 32;  // words per row
+constexpr int CW = KEYS ? CH * BITS / 32 : WPR;            // words a pass completes per row
+threadgroup uchar* cb = reinterpret_cast<threadgroup uchar*>(red);  // cb[token in pass * D + channel]
+for (int t0 = 0; t0 < G; t0 += CH) {
   for (int r = 0; r < RPS; r++) {
-    const size_t rowbase = (size_t(tile) * G + sg * RPS + r) * WPR;
-    if (EPL >= PER) {
-      for (int j = 0; j < EPL / PER; j++) {
-        uint word = 0;
-        for (int i = 0; i < PER; i++) {
-          const float u = metal::rint((x[r][j * PER + i] - lo[r]) / scl[r]);
-          word |= uint(metal::clamp(u, 0.0f, float(QMAX))) << (BITS * i);
-        }
-        words[rowbase + lane * (EPL / PER) + j] = word;
-      }
-    } else {
-      // One word spans LPW lanes: OR their partial words with shuffles.
-      constexpr uint LPW = PER / EPL;
-      uint word = 0;
+    const int t = int(sg) * RPS + r - t0;
+    if (t >= 0 && t < CH) {
       for (int e = 0; e < EPL; e++) {
-        const float u = metal::rint((x[r][e] - lo[r]) / scl[r]);
-        word |= uint(metal::clamp(u, 0.0f, float(QMAX))) << (BITS * ((lane * EPL + e) % PER));
+        const float l = KEYS ? lo[e] : lo[r], sc = KEYS ? scl[e] : scl[r];
+        const float u = metal::rint((x[r][e] - l) / sc);
+        cb[t * D + lane * EPL + e] = uchar(metal::clamp(u, 0.0f, float(QMAX)));
       }
-      for (uint m = 1; m < LPW; m <<= 1) word |= simd_shuffle_xor(word, m);
-      if (lane % LPW == 0) words[rowbase + lane / LPW] = word;
     }
   }
+  // Barrier: the pass's codes are all in `cb` before any word is assembled.
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  constexpr int ROWS = KEYS ? D : CH;  // rows with words in this pass
+  for (int idx = tid; idx < ROWS * CW; idx += NTH) {
+    const int row = idx / CW, w = idx % CW;
+    uint word = 0;
+    for (int i = (32 * w) / BITS; i <= (32 * w + 31) / BITS; i++) {  // codes touching bits [32w, 32w+32)
+      const uint c = KEYS ? cb[i * D + row] : cb[row * D + i];
+      const int sh = i * BITS - 32 * w;
+      word |= sh >= 0 ? c << sh : c >> -sh;
+    }
+    if (KEYS) words[(size_t(tile) * D + row) * WPR + t0 * BITS / 32 + w] = word;
+    else words[(size_t(tile) * G + t0 + row) * WPR + w] = word;
+  }
+  // Barrier: every word of the pass is read from `cb` before the next pass rewrites it.
+  threadgroup_barrier(mem_flags::mem_threadgroup);
 }

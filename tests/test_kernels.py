@@ -135,7 +135,7 @@ def _quant_fn(kind):
 # Tile quantization -------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ("k", "v"))
-@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("bits", (2, 3, 4, 5, 6, 8))
 @pytest.mark.parametrize("G", (64, 128))
 @pytest.mark.parametrize("D", (64, 128, 256))
 def test_quantize_matches_reference(D, G, bits, kind):
@@ -267,6 +267,15 @@ ATT_CASES = [
     (128, 128, 4, 2, 4, 3, 128, 128 + 2 * 128, 1, mx.float32),  # empty tail: queries end inside the last tile
     (64, 64, 2, 4, 4, 1, 128, 130, 1, mx.float32),  # no tiles yet
     (64, 64, 4, 2, 8, 2, 128, 2500, 1, mx.float32),  # many splits, two row chunks (R = 16)
+    # every width as keys and as values; at 3, 5 and 6 bits codes straddle words
+    (64, 128, 3, 5, 4, 1, 128, 700, 1, mx.float32),
+    (128, 64, 5, 6, 2, 3, 0, 500, 1, mx.float16),
+    (256, 128, 6, 3, 4, 1, 128, 650, 1, mx.float32),
+    (128, 128, 8, 8, 1, 2, 128, 600, 1, mx.bfloat16),
+    (64, 64, 6, 5, 8, 1, 0, 900, 2, mx.float32),
+    (256, 64, 3, 8, 2, 5, 128, 450, 1, mx.float32),
+    (128, 128, 8, 4, 4, 1, 0, 520, 1, mx.float32),
+    (64, 128, 2, 6, 1, 8, 128, 600, 1, mx.float32),
 ]
 
 
@@ -315,29 +324,34 @@ def test_attention_not_causal_and_unrotated_values():
 
 # Bug-hunting modes of the emulator on one small configuration ------------------------------
 
-def _small_run():
-    """Quantize K and V tiles (D=64, G=64, 2 tiles) and attend over them (sink 64, tail 10,
-    GQA 2, L=2 causal); returns the checks' worst errors."""
-    D, G, bits = 64, 64, 2
+# (K bits, V bits, G): the first as before; then codes that straddle words, and G=128
+# tiles packed in two passes.
+SMALL = [(4, 2, 64), (3, 5, 128), (6, 8, 64)]
+
+
+def _small_run(kb=4, vb=2, G=64):
+    """Quantize K and V tiles (D=64, 2 tiles of G tokens) and attend over them (sink 64, tail 10,
+    GQA 2, L=2 causal); returns the inputs and outputs."""
+    D = 64
     rng = np.random.default_rng(5)
     x = mx.array(rng.standard_normal((1, 2, G, D)).astype(np.float32))
-    kq = kernels.quantize_keys_metal(x, 4, ITERS, True, "float16")
-    vq = kernels.quantize_values_metal(x, bits, ITERS, True, "float16")
+    kq = kernels.quantize_keys_metal(x, kb, ITERS, True, "float16")
+    vq = kernels.quantize_values_metal(x, vb, ITERS, True, "float16")
     mx.eval(kq, vq)
     kq = tuple(a.reshape(1, 1, *a.shape[1:]) for a in kq)
     vq = tuple(a.reshape(1, 1, *a.shape[1:]) for a in vq)
     dense = lambda n_: mx.array(rng.standard_normal((1, 1, n_, D)).astype(np.float32))
     c = dict(sink_k=dense(64), sink_v=dense(64), kq=kq, vq=vq, n=2, tail_k=dense(10), tail_v=dense(10))
     q = mx.array(rng.standard_normal((1, 2, 2, D)).astype(np.float32))
-    got = kernels.packed_attention_metal(*_att_args(q, c, 0.125, 4, bits))
+    got = kernels.packed_attention_metal(*_att_args(q, c, 0.125, kb, vb))
     mx.eval(got)
     return x, kq, vq, q, c, got
 
 
-@pytest.fixture(scope="module")
-def small_baseline():
+@pytest.fixture(scope="module", params=SMALL, ids=lambda p: "k{}v{}_g{}".format(*p))
+def small_baseline(request):
     with metal():
-        return _small_run()
+        return request.param, _small_run(*request.param)
 
 
 MODES = {
@@ -353,13 +367,13 @@ MODES = {
 @pytest.mark.parametrize("mode", list(MODES))
 def test_emulator_bug_hunting_modes(mode, small_baseline, monkeypatch):
     monkeypatch.delenv("LD_PRELOAD", raising=False)  # sanitizer runtimes must load first in the kernel process
+    (kb, vb, G), (bx, bkq, bvq, bq, bc, bgot) = small_baseline
     with metal(**MODES[mode]):
-        x, kq, vq, q, c, got = _small_run()
-    bx, bkq, bvq, bq, bc, bgot = small_baseline
+        x, kq, vq, q, c, got = _small_run(kb, vb, G)
     # Same bits whatever the thread order or instrumentation.
     for a, b in zip((*kq, *vq, got), (*bkq, *bvq, bgot)):
         assert np.array_equal(np.array(a), np.array(b)), mode
-    want = _attention_reference(q, c, 0.125, 4, 2)
+    want = _attention_reference(q, c, 0.125, kb, vb)
     assert np.abs(np.array(got) - want).max() <= ATT_TOL * np.abs(want).max()
 
 
