@@ -2,6 +2,7 @@
 
 Flags mirror mlx_lm.generate; --kv-preset picks the cache (fp16 = mlx-lm's
 plain cache), --compare runs the same prompt with the plain cache as well.
+--max-kv-bytes stops before the next step could take the cache past a budget.
 Ctrl-C stops the answer at the next token: the text so far, the stats and the
 prompt cache (if asked for) are kept, and the exit code is 130.
 """
@@ -16,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from . import memory, prompt_cache
+from . import budget, memory, prompt_cache
 from .cache import KVarNCache
 from .integration import make_cache
 from .config import DEFAULT_PRESET, FP16, PRESETS
@@ -50,6 +51,10 @@ def setup_arg_parser():
                    help="Reuse the cache saved in this file; if it does not exist, save the cache there "
                         "afterwards ('.safetensors' is added when missing, as mlx-lm does)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="Prompt tokens per prefill step")
+    p.add_argument("--max-kv-bytes", default=None, metavar="SIZE",
+                   help="Stop before the KV cache could hold more than SIZE (e.g. 2GB, 512MiB; K/M/G are "
+                        "powers of 1024), checked before every prompt chunk and every token; with --compare, "
+                        "for each cache")
     p.add_argument("--allow-beyond-context", action="store_true",
                    help="Keep generating past the model's context length (max_position_embeddings)")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
@@ -74,6 +79,11 @@ def check_args(args):
         raise UsageError(f"--temp {args.temp}: use a finite temperature >= 0 (0 is greedy)")
     if not 0 <= args.top_p <= 1:  # NaN fails too
         raise UsageError(f"--top-p {args.top_p}: use a number from 0 to 1 (1 keeps every token)")
+    if args.max_kv_bytes is not None:
+        try:
+            budget.parse_size(args.max_kv_bytes)
+        except ValueError as e:
+            raise UsageError(f"--max-kv-bytes: {e}") from None
 
 
 def read_prompt(args):
@@ -177,20 +187,48 @@ class _StopPrefill(Exception):
     pass
 
 
-def run(model, tokenizer, prompt_ids, cache, args, max_tokens=None, ctrl_c=None, out=None):
+def kv_budget(model, cache, args):
+    """The --max-kv-bytes budget of this cache, or None."""
+    if args.max_kv_bytes is None:
+        return None
+    return budget.KVBudget(model, cache, budget.parse_size(args.max_kv_bytes), args.prefill_step_size)
+
+
+def check_prefill_budget(kv, done, total, step_size):
+    """Before the next prompt chunk (mlx-lm's generate_step: chunks of step_size while
+    more than one token remains, then the last prompt token and the first generated
+    token as two one-token steps, which add no more than one two-token step)."""
+    left = total - done
+    try:
+        if left > 1:
+            kv.check(min(step_size, left - 1))
+        else:
+            kv.check(2)
+    except budget.BudgetExceeded as e:
+        raise UsageError(f"--max-kv-bytes: the {total}-token prompt does not fit; after {done} prompt tokens "
+                         f"{e}. Raise --max-kv-bytes, shorten the prompt, or pick a smaller --kv-preset "
+                         "(python -m kvarn_mlx.plan shows how much context fits per cache)") from None
+
+
+def run(model, tokenizer, prompt_ids, cache, args, max_tokens=None, ctrl_c=None, out=None, kv=None):
     """Stream one generation into `out` (stdout) when verbose; returns (text, last response).
-    Stops early when ctrl_c.pressed (last is None if that was before the first token)."""
+    Stops early when ctrl_c.pressed (last is None if that was before the first token), or
+    before a step that could take the cache past the budget `kv` (budget.KVBudget): inside
+    the prompt that is a UsageError, while generating a message on stderr."""
     out = out or sys.stdout
     sampler = make_sampler(args.temp, args.top_p)
+    max_tokens = max_tokens or args.max_tokens
 
     def progress(done, total):
         if ctrl_c is not None and ctrl_c.pressed and done < total:
             raise _StopPrefill
+        if kv is not None and done < total:
+            check_prefill_budget(kv, done, total, args.prefill_step_size)
         if total > args.prefill_step_size:
             print(f"\rprefill {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
     text, last = "", None
-    stream = stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens or args.max_tokens, sampler=sampler,
+    stream = stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler,
                              prompt_cache=cache, prefill_step_size=args.prefill_step_size,
                              prompt_progress_callback=progress)
     try:
@@ -201,6 +239,16 @@ def run(model, tokenizer, prompt_ids, cache, args, max_tokens=None, ctrl_c=None,
                 print(r.text, end="", flush=True, file=out)
             if ctrl_c is not None and ctrl_c.pressed:
                 break
+            # The cache already holds this token: the next step adds the one after it.
+            if kv is not None and r.generation_tokens < max_tokens and r.finish_reason is None:
+                try:
+                    kv.check(1)
+                except budget.BudgetExceeded as e:
+                    if args.verbose:
+                        print(file=out)
+                    print(f"stopped after {r.generation_tokens} generated tokens by --max-kv-bytes: {e}",
+                          file=sys.stderr)
+                    break
     except _StopPrefill:
         pass
     finally:
@@ -327,7 +375,8 @@ def generate(args):
     max_tokens = context_limit(model, args, held, len(prompt_ids))
 
     with CtrlC() as ctrl_c:
-        text, last = run(model, tokenizer, prompt_ids, cache, args, max_tokens, ctrl_c)
+        text, last = run(model, tokenizer, prompt_ids, cache, args, max_tokens, ctrl_c,
+                         kv=kv_budget(model, cache, args))
     if ctrl_c.pressed:
         print("interrupted: stopped the generation", file=sys.stderr)
     if args.verbose:
@@ -349,7 +398,8 @@ def generate(args):
         print("\n--- same prompt, mlx-lm's plain KV cache (--kv-preset fp16) ---")
         ref_cache = make_cache(model, FP16)
         with CtrlC() as ctrl_c:
-            ref_text, ref_last = run(model, tokenizer, prompt_ids, ref_cache, args, max_tokens, ctrl_c)
+            ref_text, ref_last = run(model, tokenizer, prompt_ids, ref_cache, args, max_tokens, ctrl_c,
+                                     kv=kv_budget(model, ref_cache, args))
         if not args.verbose:
             print(ref_text)
         print_stats(FP16, ref_last, ref_cache)

@@ -1,0 +1,97 @@
+"""A KV-cache memory budget: stop before the next step could take the cache past it.
+
+Between steps, the bytes the cache holds now (memory.cache_bytes, measured
+from its arrays) plus the most the next step of L tokens could allocate must
+fit the budget. The most a step allocates per layer comes from the planner's
+byte models (plan.py), the caches' own growth rules measured on real caches:
+  KVCache, QuantizedKVCache,  one room step (`step` tokens) per `step` tokens
+  RotatingKVCache             of the step, rounded up
+  KVarNCache                  one growth of the tile storage (step_tiles tiles, or the
+                              step's own tiles plus one a short step left waiting), and
+                              the step's tokens in the sink or the tail plus one tail step
+  recurrent caches            nothing (their state has a fixed size)
+A step that needs no new room allocates less than this bound, so the budget
+stops generation at most one allocation early, never late. The bound is on
+bytes held; the copy a growing buffer makes is released at the end of the step.
+"""
+
+import math
+
+from . import memory, plan
+from .cache import KVarNCache
+
+
+class BudgetExceeded(Exception):
+    """The next step could take the KV cache past the budget; the message says by how much."""
+
+
+def parse_size(text):
+    """'2GB', '512MiB', '1.5G', '1e9' -> bytes (K/M/G/T are powers of 1024); ValueError naming the fix."""
+    try:
+        n = plan.parse_bytes(text)
+    except plan.PlanError as e:
+        raise ValueError(str(e)) from None
+    if n <= 0:
+        raise ValueError(f"{text!r} is no room at all; give a positive size, e.g. 2GB or 512MiB")
+    return n
+
+
+def _kind(c):
+    """A cache layer's kind in the planner's terms (see plan.byte_model)."""
+    if isinstance(c, KVarNCache):
+        return c.config
+    bits = getattr(c, "bits", None)
+    return bits if isinstance(bits, int) and hasattr(c, "group_size") else "plain"
+
+
+def step_allocation(m, L):
+    """The most bytes a step of L tokens adds to a layer with byte model m.
+
+    Also bounds two one-token steps by L = 2: they cross at most one room step
+    (KVCache, tail buffer) and one tile-storage growth."""
+    if isinstance(m, (plan.Steps, plan.Window)):
+        return m.token_bytes * m.step * math.ceil(L / m.step)
+    if isinstance(m, plan.Tiles):
+        tiles = max(m.step_tiles, L // m.group + 2)
+        # Sink and tail hold tokens in the model's dtype; a step puts at most
+        # S + G of its tokens there (the rest goes into tiles), and a new tail
+        # buffer rounds its tokens up to one tail step.
+        dense = math.ceil(m.tail_step_bytes * min(L, m.sink + m.group) / m.tail_step)
+        return m.tile_bytes * tiles + dense + m.tail_step_bytes
+    return 0
+
+
+class KVBudget:
+    """The budget of one model's cache (the list make_cache or a prompt-cache file gave)."""
+
+    def __init__(self, model, cache, max_bytes, prefill_step_size=plan.PREFILL_STEP_SIZE):
+        self.cache, self.max_bytes = cache, max_bytes
+        layers = plan.model_layers(model)  # lazy: nothing is computed
+        flat = [c for c, _ in plan._flat(cache)]
+        if len(flat) != len(layers):
+            raise ValueError(f"the cache has {len(flat)} layers, the model {len(layers)}")
+        built = {}
+        self.models = []
+        for layer, c in zip(layers, flat):
+            key = (layer, _kind(c))
+            if key not in built:
+                built[key] = plan.byte_model(*key, prefill_step_size)
+            self.models.append(built[key])
+
+    def held(self):
+        return memory.cache_bytes(self.cache)["held"]
+
+    def allocation(self, L):
+        """The most a step of L tokens could add, all layers."""
+        return sum(step_allocation(m, L) for m in self.models)
+
+    def check(self, L):
+        """Raise BudgetExceeded if the bytes held plus what a step of L tokens
+        could add exceed the budget."""
+        held, more = self.held(), self.allocation(L)
+        if held + more > self.max_bytes:
+            tokens = max((int(getattr(c, "offset", 0)) for c in self.cache), default=0)
+            raise BudgetExceeded(
+                f"the KV cache holds {held:,} bytes ({plan.human(held)}) for {tokens} tokens, and the next "
+                f"{L} token{'s' if L > 1 else ''} could add up to {more:,} bytes "
+                f"({plan.human(more)}): beyond the budget of {self.max_bytes:,} bytes ({plan.human(self.max_bytes)})")
