@@ -9,6 +9,8 @@ tiles are a contiguous view that quantized_matmul reads as it is; the Metal
 kernel gets the whole storage and the count of valid tiles.
 """
 
+from dataclasses import replace
+
 import mlx.core as mx
 
 from . import dispatch, kernels, quant
@@ -20,12 +22,16 @@ def packed_attention(queries, cache, scale, mask=None, sinks=None):
     if cache.key_candidates is not None:  # "auto": decide key rotation with real queries
         B, Hq, L, D = queries.shape
         H = cache.sink_k.shape[1]
-        cache.decide_key_rotation((queries.astype(mx.float32) * scale).reshape(B, H, -1, D))
+        r = cache.decide_row  # a short step: the row after the tiles, as in one-token decoding
+        q = queries if r is None else queries[:, :, r : r + 1]
+        cache.decide_key_rotation((q.astype(mx.float32) * scale).reshape(B, H, -1, D))
     return attend_view(queries, cache.step_view(), scale, mask, sinks)
 
 
 def attend_view(queries, view: StepView, scale, mask=None, sinks=None):
     """The Metal kernel where it runs and supports this step, else the MLX ops path."""
+    if view.later is not None and mask == "causal":
+        return _split_step(queries, view, scale, sinks)
     plain_mask = mask is None or (isinstance(mask, str) and mask == "causal")
     if view.tiles is not None and sinks is None and plain_mask and dispatch.use_metal():
         reason = kernels.attention_unsupported(queries, view)
@@ -33,6 +39,18 @@ def attend_view(queries, view: StepView, scale, mask=None, sinks=None):
             return kernels.packed_attention_metal(queries, view, scale, mask == "causal")
         dispatch.fallback("attention", reason)
     return attend(queries, view, scale, mask, sinks)
+
+
+def _split_step(queries, view, scale, sinks):
+    """A short step that completed a tile: rows before view.split read its tokens
+    in full precision, the later rows read it quantized (view.later). Each row
+    then sees what it would have seen decoding one token at a time."""
+    L, a = queries.shape[2], view.split
+    n = L - a  # the later rows' tokens, which the first rows do not see
+    first = replace(view, recent_k=view.recent_k[..., :-n, :], recent_v=view.recent_v[..., :-n, :], later=None)
+    causal = lambda rows: "causal" if rows > 1 else None
+    return mx.concatenate([attend_view(queries[:, :, :a], first, scale, causal(a), sinks),
+                           attend_view(queries[:, :, a:], view.later, scale, causal(n), sinks)], axis=2)
 
 
 def attend(queries, view: StepView, scale, mask=None, sinks=None):

@@ -56,6 +56,10 @@ class KVarNCache(_BaseCache):
         # rotate_k becomes a bool array [H] once an "auto" decision is made.
         self.rotate_k = self.rotate_v = None
         self.key_candidates = None  # "auto": both key variants of the first tiles, until decided
+        self.decide_row = None  # the query row that decides them (None: every row of the step)
+        # A short step's tile quantized into the storage's room: "tile", or "first" if
+        # its queries also chose the "auto" key rotation; committed at the next update.
+        self.provisional = None
         self.n_sink = self.n_tail = 0
         self.sink_k = self.sink_v = self.tail_k = self.tail_v = None
         self.tiles = None
@@ -84,9 +88,9 @@ class KVarNCache(_BaseCache):
                         f"shape {tuple(x.shape)} (a prompt cache made for another model?)")
         if self.key_candidates is not None:  # no attention call decided: the keys stand in
             self.decide_key_rotation()
-        self._commit()  # a short step's whole tiles, before this step reads the tiles
-        n_seen = self.n_tiles
         short = L <= self.short_step
+        self._commit(short)  # a short step's whole tiles, before this step reads the tiles
+        n_seen = self.n_tiles
         self.offset += L
 
         # 1. The sink fills first.
@@ -114,6 +118,9 @@ class KVarNCache(_BaseCache):
             self._append(rk[..., : m * G, :].reshape(B, H, m, G, D), rv[..., : m * G, :].reshape(B, H, m, G, D))
             self._new_tail(rk[..., m * G :, :], rv[..., m * G :, :])
         step = self._view(n_seen, rk, rv)
+        if short and self.n_tail > G:
+            step.split = L - (self.n_tail - G)
+            step.later = self._later_view(n_seen, step.split)
         keys, values = self.dequantized(step)
         # The step's full-precision tokens serve this step only: the view lives
         # exactly as long as the returned arrays (which hold those tokens anyway).
@@ -154,16 +161,38 @@ class KVarNCache(_BaseCache):
         self.tail_k, self.tail_v = mx.pad(k.astype(self.tail_k.dtype), pad), mx.pad(v.astype(self.tail_v.dtype), pad)
         self.n_tail = r
 
-    def _commit(self):
-        """Quantize the whole tiles waiting in the tail (left by a short step)."""
+    def _commit(self, short):
+        """Quantize the whole tiles waiting in the tail (left by a short step); a
+        provisional one is already quantized. As in one-token decoding, a short
+        step's first query row chooses the "auto" key rotation of tiles made here."""
         G = self.config.group_size
         m = self.n_tail // G
         if m == 0:
             return
-        B, H, _, D = self.tail_k.shape
         k, v = self.tail_k[..., : self.n_tail, :], self.tail_v[..., : self.n_tail, :]
-        self._append(k[..., : m * G, :].reshape(B, H, m, G, D), v[..., : m * G, :].reshape(B, H, m, G, D))
+        if self.provisional:
+            self.tiles.count += 1
+            m, self.provisional = 1, None
+        else:
+            B, H, _, D = k.shape
+            self._append(k[..., : m * G, :].reshape(B, H, m, G, D), v[..., : m * G, :].reshape(B, H, m, G, D))
+            if self.key_candidates is not None and short:
+                self.decide_row = 0
         self._new_tail(k[..., m * G :, :], v[..., m * G :, :])
+
+    def _later_view(self, n_seen, row):
+        """The view of a short step's query rows from `row` on, which follow the
+        tile it completed: that tile quantized into the storage's room (committed
+        at the next update unless a trim cuts into it), the tokens after it in
+        full precision. Undecided "auto" key rotation is chosen by query `row`."""
+        G = self.config.group_size
+        B, H, _, D = self.tail_k.shape
+        self._append(self.tail_k[..., :G, :].reshape(B, H, 1, G, D), self.tail_v[..., :G, :].reshape(B, H, 1, G, D))
+        self.tiles.count = n_seen
+        self.provisional = "tile"
+        if self.key_candidates is not None:
+            self.decide_row, self.provisional = row, "first"
+        return self._view(n_seen + 1, self.tail_k[..., G : self.n_tail, :], self.tail_v[..., G : self.n_tail, :])
 
     def quantize(self, k, v) -> Tiles:
         """Full-precision tiles k, v [B, H, m, G, D] -> their packed Tiles.
@@ -188,8 +217,14 @@ class KVarNCache(_BaseCache):
         (rotation.decide); queries [B, H, rows, D] times the softmax scale, or None."""
         keep, chosen = rotation.decide(self.key_candidates, self.config.k_bits, queries)
         self.tiles.write(self.key_candidates.start, chosen)
-        self.key_candidates = None
+        self.key_candidates = self.decide_row = None
         self.rotate_k = keep
+        # The live step may read these tiles (a short step's, made at its start or
+        # for its later rows): it reads them with the choice.
+        step = None if self._step is None else self._step()
+        for view in (step, step and step.later):
+            if view is not None:
+                view.rotate_k = keep
         return keep
 
     def key_rotation_summary(self):
@@ -251,6 +286,12 @@ class KVarNCache(_BaseCache):
             self.decide_key_rotation()
         keep = self.offset - n
         S, G = self.config.sink_size, self.config.group_size
+        # A provisional tile needs its tokens, and a "first" one the token whose
+        # query chose the key rotation (else the next tile's first query chooses).
+        if self.provisional and keep < S + (self.n_tiles + 1) * G + (self.provisional == "first"):
+            if self.provisional == "first":
+                self.rotate_k = True
+            self.provisional = None
         if keep <= S:
             self.n_sink, self.n_tail = keep, 0
             self.sink_k, self.sink_v = self.sink_k[..., :keep, :], self.sink_v[..., :keep, :]

@@ -159,3 +159,7 @@ class StepView:
     v_bits: int
     rotate_k: bool | mx.array = True
     rotate_v: bool = True
+    # A short step that completed a tile: its query rows from `split` on read
+    # `later` (that tile quantized, as one-token decoding would see it).
+    split: int = 0
+    later: "StepView | None" = None

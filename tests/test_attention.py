@@ -8,6 +8,7 @@ with rtol 1e-4; measured max errors are around 1e-6..1e-5 (printed with -s).
 """
 
 import logging
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -43,9 +44,9 @@ def feed(cache, k, v, chunks=ODD_CHUNKS):
         i, j = i + n, j + 1
 
 
-def ref_inputs(cache, b, h):
+def ref_inputs(cache, b, h, view=None):
     """The reference's inputs for batch row b, kv head h, from the cache's stored arrays."""
-    view = cache.step_view()
+    view = cache.step_view() if view is None else view
     sk, sv, rk, rv = (np.array(x) for x in (view.sink_k, view.sink_v, view.recent_k, view.recent_v))
     key_tiles, value_tiles = [], []
     if view.tiles is not None:
@@ -59,8 +60,15 @@ def ref_inputs(cache, b, h):
     return f(sk), f(sv), key_tiles, value_tiles, f(rk), f(rv)
 
 
-def reference_output(cache, q, scale, causal=True):
-    """reference.attention per (batch row, kv head), assembled to [B, Hq, L, D]."""
+def reference_output(cache, q, scale, causal=True, view=None):
+    """reference.attention per (batch row, kv head), assembled to [B, Hq, L, D].
+    A short step that completed a tile: its rows after the tile read it quantized."""
+    view = cache.step_view() if view is None else view
+    if view.later is not None and causal:
+        n = q.shape[2] - view.split
+        first = replace(view, recent_k=view.recent_k[..., :-n, :], recent_v=view.recent_v[..., :-n, :], later=None)
+        return np.concatenate([reference_output(cache, q[:, :, : view.split], scale, True, first),
+                               reference_output(cache, q[:, :, view.split :], scale, True, view.later)], axis=2)
     q = np.array(q.astype(mx.float32))
     B, Hq, L, D = q.shape
     H = cache.sink_k.shape[1]
@@ -68,7 +76,7 @@ def reference_output(cache, q, scale, causal=True):
     out = np.zeros((B, Hq, L, D))
     for b in range(B):
         for h in range(H):
-            sk, sv, kt, vt, rk, rv = ref_inputs(cache, b, h)
+            sk, sv, kt, vt, rk, rv = ref_inputs(cache, b, h, view)
             out[b, h * n_rep : (h + 1) * n_rep] = ref.attention(
                 q[b, h * n_rep : (h + 1) * n_rep], sk, sv, kt, vt, rk, rv, scale, causal=causal)
     return out
