@@ -26,11 +26,12 @@ import weakref
 
 import mlx.core as mx
 import mlx_lm.server as mlx_server
+from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import LRUPromptCache
 
 from . import guard, memory
 from .batch_cache import BatchKVarNCache
-from .config import DEFAULT_PRESET, PRESETS, get_preset
+from .config import DEFAULT_PRESET, FP16, PRESETS, get_preset
 from .integration import make_cache
 
 STATS_PATH = "/v1/kv_stats"
@@ -49,13 +50,19 @@ _counts = {"prompt_tokens": 0}
 # -- caches ---------------------------------------------------------------------------
 
 
-def cache_factory(preset, sink=None):
-    """mlx-lm's make_prompt_cache(model, max_kv_size=None), building KVarN caches."""
+def cache_factory(preset, sink=None, provider=None):
+    """mlx-lm's make_prompt_cache(model, max_kv_size=None), building KVarN
+    caches (preset "fp16": mlx-lm's own caches). The draft model of speculative
+    decoding keeps mlx-lm's plain cache: it only proposes tokens."""
+    if preset == FP16:
+        return mlx_cache.make_prompt_cache
     config = get_preset(preset, sink=sink)
 
     def make_prompt_cache(model, max_kv_size=None):
         if max_kv_size is not None:
             raise ValueError("KVarN caches have no maximum size (max_kv_size); leave it unset")
+        if provider is not None and model is provider.draft_model:
+            return mlx_cache.make_prompt_cache(model)
         return make_cache(model, config)
 
     return make_prompt_cache
@@ -234,6 +241,7 @@ def run(host, port, model_provider, server_class=mlx_server.ThreadingHTTPServer,
     """mlx_lm.server.run with this module's prompt cache (bounded by
     --prompt-cache-bytes as well as --prompt-cache-size) and request handler."""
     args = model_provider.cli_args
+    install_caches(handler_class.settings.kv_preset, handler_class.settings.kv_sink, model_provider)
     group = mx.distributed.init()
     prompt_cache = PromptCache(args.prompt_cache_size, **({"max_bytes": args.prompt_cache_bytes}
                                                           if args.prompt_cache_bytes is not None else {}))
@@ -253,7 +261,8 @@ def arg_parser():
         description="mlx-lm's server (all of mlx_lm.server's flags work) on KVarN KV caches.")
     g = p.add_argument_group("KVarN")
     g.add_argument("--kv-preset", default=DEFAULT_PRESET,
-                   help=f"KVarN preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}")
+                   help=f"KVarN preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}; or {FP16}: "
+                        "mlx-lm's own cache (then mlx-lm's --kv-bits applies)")
     g.add_argument("--kv-sink", type=int, default=None,
                    help="leading tokens kept unquantized (default: the preset's, one tile)")
     g.add_argument("--allowed-hosts", type=lambda x: [h.strip().lower() for h in x.split(",") if h.strip()],
@@ -274,13 +283,13 @@ def main(argv=None):
     if "-h" in rest or "--help" in rest:
         parser.print_help()
         print("\nmlx_lm.server's flags:\n")
-    elif ours.kv_preset not in PRESETS:
-        parser.error(f"--kv-preset {ours.kv_preset!r}: use one of {', '.join(PRESETS)}")
+    elif ours.kv_preset not in PRESETS and ours.kv_preset != FP16:
+        parser.error(f"--kv-preset {ours.kv_preset!r}: use one of {', '.join(PRESETS)} or {FP16}")
     elif ours.kv_sink is not None and ours.kv_sink < 0:
         parser.error(f"--kv-sink {ours.kv_sink}: must be >= 0")
-    elif any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest):
-        parser.error("--kv-bits is mlx-lm's own quantized cache (one request at a time); "
-                     "this server quantizes with KVarN: use --kv-preset")
+    elif ours.kv_preset != FP16 and any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest):
+        parser.error("--kv-bits is mlx-lm's own quantized cache (one request at a time); this server "
+                     f"quantizes with KVarN: use --kv-preset (or --kv-preset {FP16} --kv-bits N for mlx-lm's)")
     if not any(a == "--model" or a.startswith("--model=") for a in rest) and "-h" not in rest and "--help" not in rest:
         from .loader import default_model_path
 
@@ -292,12 +301,18 @@ def main(argv=None):
     mlx_server.main()
 
 
-def install(settings):
-    """Rebind the names mlx_lm.server (and mlx_lm.generate, for its BatchGenerator)
-    looks up, so its own code runs on KVarN caches and this module's handler."""
-    make_prompt_cache = cache_factory(settings.kv_preset, settings.kv_sink)
+def install_caches(preset, sink, provider=None):
+    """Rebind make_prompt_cache where mlx_lm.server and mlx_lm.generate (for its
+    BatchGenerator) look it up."""
+    make_prompt_cache = cache_factory(preset, sink, provider)
     mlx_server.make_prompt_cache = make_prompt_cache
     sys.modules["mlx_lm.generate"].make_prompt_cache = make_prompt_cache
+
+
+def install(settings):
+    """Rebind the names mlx_lm.server looks up, so its own code runs on KVarN
+    caches, this module's run() and its request handler."""
+    install_caches(settings.kv_preset, settings.kv_sink)
     mlx_server.BatchGenerator = BatchGenerator
     mlx_server.stream_generate = stream_generate
     mlx_server.run = run

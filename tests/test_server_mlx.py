@@ -182,3 +182,16 @@ def test_flags():
     assert r.returncode == 2 and "k4v2_g128" in r.stderr
     r = run("--help")
     assert r.returncode == 0 and "--kv-preset" in r.stdout and "--prompt-cache-bytes" in r.stdout
+
+
+def test_speculative_decoding_with_a_draft_model(model_dir, tmp_path):
+    # --draft-model: mlx-lm serves the request alone with speculative decoding; the
+    # main model's KVarN cache gives the tokens of plain greedy decoding (the
+    # draft, another random model, proposes mostly wrong tokens; its cache is plain).
+    draft_dir = tiny_model_folder(tmp_path / "draft", seed=1)
+    conversations = [[{"role": "user", "content": prompt(i, 30 + 25 * i)}] for i in range(3)]
+    with server(model_dir) as (url, _):
+        want = [stream_chat(client(url), m, max_tokens=80) for m in conversations]
+    with server(model_dir, "--draft-model", str(draft_dir), "--num-draft-tokens", "3") as (url, _):
+        got = [stream_chat(client(url), m, max_tokens=80) for m in conversations]
+    assert got == want
