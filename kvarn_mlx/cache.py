@@ -31,6 +31,25 @@ def _warn_once(msg):
         log.warning(msg)
 
 
+BYPASSED = ("KVarN: the model attends without reading the packed tiles (it calls mx.fast.scaled_dot_product_attention "
+            "itself, or attends on keys and values it derives from the cache's, as latent attention does); it gets "
+            "keys and values dequantized from the tiles at every step: correct, but slower, and they take memory "
+            "while the step runs")
+
+
+def cannot_hold(config, k_dim, v_dim):
+    """Why a KVarNCache with this config cannot hold keys and values of these head
+    dims, or None. Value codes pack along the head dim; key codes along the tile's
+    tokens, so any key head dim packs."""
+    if k_dim != v_dim:
+        return f"keys and values of different head dims ({k_dim} and {v_dim})"
+    try:
+        quant.check_head_dim(v_dim, config.v_bits)
+    except ValueError as e:
+        return f"value {e}"
+    return None
+
+
 class KVarNCache(_BaseCache):
     """KV cache quantized with KVarN; drop-in for mlx-lm's KVCache.
 
@@ -44,6 +63,9 @@ class KVarNCache(_BaseCache):
 
     step_tiles = 4  # tile storage grows by at least this many tiles
     tail_step = 32  # the tail buffer grows by this many tokens
+    # make_cache sets this: say once when a model attends without packed attention
+    # (a step nothing read through step_view before the next update).
+    announce_bypass = False
     # Steps of at most this many tokens (decoding, speculative verification) leave
     # the tiles they fill in the tail until the next update, after any trim: tokens
     # a draft proposed and the model rejected never enter a quantized tile.
@@ -65,6 +87,8 @@ class KVarNCache(_BaseCache):
         self.tiles = None
         # The current step's StepView, alive as long as the arrays update_and_fetch returned.
         self._step = None
+        self._fetched = None  # weak references to those arrays
+        self._unread = False  # no attention read the current step yet
 
     @property
     def n_tiles(self):
@@ -75,6 +99,8 @@ class KVarNCache(_BaseCache):
     def update_and_fetch(self, keys, values):
         B, H, L, D = keys.shape
         G, S = self.config.group_size, self.config.sink_size
+        if self._unread and self.announce_bypass:
+            _warn_once(BYPASSED)
         if self.rotate_k is None:
             self._start(keys, values)
         else:
@@ -126,13 +152,16 @@ class KVarNCache(_BaseCache):
         # exactly as long as the returned arrays (which hold those tokens anyway).
         self._step = weakref.ref(step)
         weakref.finalize(keys, _keep_alive, step)
+        self._fetched, self._unread = (weakref.ref(keys), weakref.ref(values)), True
         return keys, values
 
     def _start(self, keys, values):
         B, H, _, D = keys.shape
         c = self.config
-        for bits in (c.k_bits, c.v_bits):
-            quant.check_head_dim(D, bits)
+        problem = cannot_hold(c, D, values.shape[3])
+        if problem:
+            raise ValueError(f"a KVarNCache cannot hold this layer: {problem}. kvarn_mlx.make_cache leaves "
+                             "such layers plain")
         if not quant.can_rotate(D) and (c.rotate_keys or c.rotate_values):
             _warn_once(f"head dim {D} has no Hadamard transform in MLX; KVarN runs without rotation there")
         self.rotate_k = bool(c.rotate_keys) and quant.can_rotate(D)  # "auto" starts rotated
@@ -242,10 +271,18 @@ class KVarNCache(_BaseCache):
         return StepView(self.sink_k, self.sink_v, self.tiles if n_tiles else None, n_tiles, recent_k, recent_v,
                         c.k_bits, c.v_bits, self.rotate_k, self.rotate_v)
 
+    def fetched(self, keys, values):
+        """Whether keys and values are the arrays this step's update_and_fetch
+        returned: only then is attention on them attention over this cache (a
+        latent-attention model attends on arrays it derives from them)."""
+        f = self._fetched
+        return f is not None and f[0]() is keys and f[1]() is values
+
     def step_view(self) -> StepView:
         """What the current step's attention reads: tiles quantized before this
         step, and everything newer in full precision. Without a live step (e.g.
         right after loading from a file), every tile and the tail."""
+        self._unread = False
         step = None if self._step is None else self._step()
         if step is None:
             step = self._view(self.n_tiles, self.tail_k[..., : self.n_tail, :], self.tail_v[..., : self.n_tail, :])
@@ -305,7 +342,7 @@ class KVarNCache(_BaseCache):
             self._new_tail(k[..., i * G : i * G + r, :], v[..., i * G : i * G + r, :])
             self.tiles.count = i
         self.offset = keep
-        self._step = None
+        self._step, self._fetched, self._unread = None, None, False
         return n
 
     # -- bytes -----------------------------------------------------------------

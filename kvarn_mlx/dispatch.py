@@ -81,7 +81,9 @@ def fallback(what, reason):
 
 
 def _quantize(x, bits, iters, rotated, scale_dtype, keys):
-    quant.check_head_dim(x.shape[-1], bits)
+    # Value codes pack along the head dim, key codes along the tile's tokens.
+    n, what = (x.shape[-2], "key tile size") if keys else (x.shape[-1], "head dim")
+    quant.check_bits(n, bits, what)
     if use_metal():
         reason = kernels.quantize_unsupported(x, bits, iters, scale_dtype)
         if reason is None:

@@ -11,13 +11,14 @@ import contextlib
 import logging
 import sys
 
+import mlx.core as mx
 from mlx_lm.models import base
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList, KVCache
 
 from .attention import packed_attention
 from .batch_cache import BatchKVarNCache
-from .cache import KVarNCache
+from .cache import KVarNCache, cannot_hold
 from .config import DEFAULT_PRESET, FP16, get_preset
 
 log = logging.getLogger("kvarn_mlx")
@@ -28,8 +29,10 @@ _original = base.scaled_dot_product_attention
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
-    """mlx-lm's entry point, with KVarN caches routed to packed attention."""
-    if isinstance(cache, KVarNCache):
+    """mlx-lm's entry point, with KVarN caches routed to packed attention when
+    keys and values are the ones the cache returned (a model attending on others,
+    e.g. derived from a cached latent, gets mlx-lm's attention on those)."""
+    if isinstance(cache, KVarNCache) and cache.fetched(keys, values):
         out = packed_attention(queries, cache, scale, mask, sinks)
     elif isinstance(cache, BatchKVarNCache):
         out = cache.attention(queries, scale, mask, sinks)
@@ -81,31 +84,76 @@ mlx_cache.KVarNCache = KVarNCache
 KVarNCache.merge = classmethod(lambda cls, caches: BatchKVarNCache.merge(caches))
 
 
+def _warn_once(msg):
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
+
+
+def _members(cache):
+    """A layer's caches: the members of a CacheList (a layer holding state of two
+    kinds, e.g. Falcon-H1's Mamba and attention), else the cache itself."""
+    return cache.caches if isinstance(cache, CacheList) else (cache,)
+
+
+def _head_dims(model):
+    """{(layer, member): (key head dim, value head dim)} of every plain KVCache of
+    the model's prompt cache, read after one token through the model (lazily:
+    nothing is computed); None for a model that does not run that way."""
+    probe = mlx_cache.make_prompt_cache(model)
+    observers = _observers[:]
+    _observers.clear()  # the probe's attention calls are nobody's observations
+    try:
+        model(mx.array([[0]]), cache=probe)
+    except Exception:  # the model's own error, if any, comes when it runs for real
+        return None
+    finally:
+        _observers[:] = observers
+    return {(i, j): (m.keys.shape[-1], m.values.shape[-1])
+            for i, c in enumerate(probe) for j, m in enumerate(_members(c))
+            if type(m) is KVCache and m.keys is not None}
+
+
 def make_cache(model, preset=DEFAULT_PRESET, **overrides):
     """The model's prompt cache with plain KVCache layers replaced by KVarNCache.
 
     preset: a preset name, a KVarNConfig, "fp16" (plain cache), or a list with
     one of those (or None, meaning plain) per layer. overrides set config fields
-    (e.g. sink=0), for names and configs alike. Other cache kinds (sliding-window,
-    recurrent) are left as they are. Also turns on the packed-attention patch.
+    (e.g. sink=0), for names and configs alike. KVCaches inside a CacheList are
+    replaced too; other cache kinds (sliding-window, recurrent) are left as they
+    are, and so is a KVCache whose head dims KVarN cannot hold (cache.cannot_hold;
+    said once). Also turns on the packed-attention patch.
     """
     caches = mlx_cache.make_prompt_cache(model)
     per_layer = preset if isinstance(preset, (list, tuple)) else [preset] * len(caches)
     if len(per_layer) != len(caches):
         raise ValueError(f"got {len(per_layer)} per-layer presets for a model with {len(caches)} cache layers")
-    skipped = set()
+    dims = _head_dims(model) or {}
+    skipped, left_plain, n_kv = set(), {}, 0
     for i, (c, p) in enumerate(zip(caches, per_layer)):
         if p is None or p == FP16:
             continue
-        if type(c) is not KVCache:
-            skipped.add(type(c).__name__)
-            continue
-        caches[i] = KVarNCache(get_preset(p, **overrides))
+        members = list(_members(c))
+        for j, m in enumerate(members):
+            if type(m) is not KVCache:
+                skipped.add(type(m).__name__)
+                continue
+            config = get_preset(p, **overrides)
+            problem = cannot_hold(config, *dims[i, j]) if (i, j) in dims else None
+            n_kv += 1
+            if problem:
+                left_plain[problem] = left_plain.get(problem, 0) + 1
+                continue
+            members[j] = KVarNCache(config)
+            members[j].announce_bypass = True
+        if isinstance(c, CacheList):
+            c.caches = tuple(members)
+        else:
+            caches[i] = members[0]
     if skipped:
-        msg = f"KVarN left {', '.join(sorted(skipped))} layers as they were (only plain KVCache layers are quantized)"
-        if msg not in _warned:
-            _warned.add(msg)
-            log.warning(msg)
+        _warn_once(f"KVarN left {', '.join(sorted(skipped))} layers as they were (only plain KVCache layers are quantized)")
+    for problem, n in left_plain.items():
+        _warn_once(f"KVarN left {n} of {n_kv} KVCache layers plain: {problem}")
     patch()
     return caches
 

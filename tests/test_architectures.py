@@ -27,22 +27,10 @@ SINK = 16  # small, so that a short prompt reaches the quantized tiles
 PROMPT = SINK + 128 + 110  # one tile at prefill, the next one filled while decoding
 STEPS = 32
 
-NO_CACHELIST = pytest.mark.xfail(
-    strict=True, reason="make_cache leaves CacheList layers whole (Falcon-H1 runs Mamba-2 and attention "
-                        "in every layer); the KVCache inside should become a KVarNCache")
-UNANNOUNCED = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="a model that calls mx.fast.scaled_dot_product_attention itself gets dequantized K/V "
-           "from update_and_fetch without a log line saying so")
 # MoE layers run float32 only on the CPU (mlx's GatherMM).
 MOE = {"qwen3_moe", "gpt_oss", "qwen3_next"}
 # Families whose attention does not go through mlx-lm's patched entry point.
 BYPASSES_PATCH = {"plamo2"}
-
-
-def family_params(marks=None):
-    marks = {"falcon_h1": NO_CACHELIST, **(marks or {})}
-    return [pytest.param(f, marks=marks.get(f, ())) for f in FAMILIES]
 
 
 def layer_caches(caches):
@@ -92,7 +80,7 @@ def log_lines(monkeypatch, caplog):
 
 # -- make_cache --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", family_params())
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_make_cache_replaces_exactly_the_full_attention_layers(family):
     model = tiny_model(family)
     plain = list(layer_caches(make_prompt_cache(model)))
@@ -109,7 +97,7 @@ def test_make_cache_replaces_exactly_the_full_attention_layers(family):
 
 # -- mlx_lm.generate ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", family_params({"plamo2": UNANNOUNCED}))
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_generate_runs_packed_or_announces_the_fallback(family, packed_calls, log_lines):
     model = tiny_model(family)
     cache = make(model)
@@ -131,7 +119,7 @@ def test_generate_runs_packed_or_announces_the_fallback(family, packed_calls, lo
         assert len(set(per_layer)) == 1 and per_layer[0] >= 2, per_layer
 
 
-@pytest.mark.parametrize("family", [p for p in family_params() if p.values[0] not in BYPASSES_PATCH])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in BYPASSES_PATCH])
 def test_packed_attention_equals_mlx_lm_attention_over_the_dequantized_cache(family, packed_calls):
     # At every call: packed attention against mlx-lm's own attention (mx.fast) over the same
     # cache's dequantized keys and values, through prefill chunks and decode steps that fill
@@ -153,7 +141,7 @@ def test_packed_attention_equals_mlx_lm_attention_over_the_dequantized_cache(fam
 
 # -- memory --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", family_params())
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_memory_drops(family):
     # After a 600-token prompt, a float16 model (what people run; float32 for MoE on the CPU):
     # the KVarN layers against the plain cache's same layers, from the arrays each holds.
@@ -177,44 +165,41 @@ def test_memory_drops(family):
 # -- greedy decoding -------------------------------------------------------------------------
 
 def greedy(model, cache, prompt):
-    """STEPS greedy tokens through mlx-lm's generate loop."""
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=STEPS, prompt_cache=cache)]
+    """STEPS (greedy token, log-probabilities) through mlx-lm's generate loop."""
+    return [(int(t), p) for t, p in generate_step(mx.array(prompt), model, max_tokens=STEPS, prompt_cache=cache)]
 
 
-@pytest.mark.parametrize("family", family_params())
+# Random weights leave near-tied logits. 8-bit tiles move the logits by up to ~1e-2 of their
+# range on these models; a tie closer than this (a fraction of the range) may go either way.
+NEAR_TIE = 1e-3
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_tokens_equal_the_plain_cache_at_8_bits(family):
     # Not at 4 bits: random weights leave near-tied logits that 4-bit tiles flip within a
     # few steps (test_packed_attention_equals_the_dequantized_fallback checks those tiles).
     model = tiny_model(family)
     prompt = tokens(PROMPT, seed=4)
     cache = make(model, "k8v8_g128")
-    got = greedy(model, cache, prompt)
-    want = greedy(model, make_prompt_cache(model), prompt)
+    got = [t for t, _ in greedy(model, cache, prompt)]
+    plain = greedy(model, make_prompt_cache(model), prompt)
+    want = [t for t, _ in plain]
     layers = kvarn_layers(cache)
     assert layers and all(c.n_tiles == 2 for c in layers)  # the second tile was quantized mid-decode
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    print(f"{family} k8v8: first divergence from the plain cache at step {first}")
-    assert got == want
+    if first is None:
+        print(f"{family} k8v8: {STEPS} tokens equal to the plain cache's")
+        return
+    # Equal up to a step where the plain cache's two best tokens are a near-tie, and there its runner-up.
+    logprobs = plain[first][1]
+    best, second = mx.argsort(-logprobs)[:2].tolist()
+    gap = ((logprobs[best] - logprobs[second]) / (logprobs.max() - logprobs.min())).item()
+    print(f"{family} k8v8: equal to the plain cache's tokens up to step {first}, a near-tie there "
+          f"(top two {gap:.1e} of the logit range apart)")
+    assert got[first] == second and gap < NEAR_TIE, (first, got[first], best, second, gap)
 
 
 # -- shapes that must not raise -----------------------------------------------------------------
-
-PACKING = pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="2-bit value codes pack 16 channels into a uint32 word: KVarNCache._start raises for a head dim "
-           "that is not a multiple of 16 instead of leaving that layer plain with one log line")
-KV_DIMS = pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="KVarNCache assumes keys and values share a head dim: update_and_fetch fails concatenating the "
-           "values onto a sink shaped like the keys, instead of quantizing each with its own dim or "
-           "leaving the layer plain with one log line")
-LATENT = pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="MLA models that cache a latent and a rope key (deepseek_v3) raise as in KV_DIMS; past that, the "
-           "patched entry point would send the K/V the model derives from them to packed attention over "
-           "the cache's latents. Such layers should stay plain (or attend through the dequantizing "
-           "fallback), with one log line")
-
 
 def prefill_logits(model, cache, prompt):
     return model(mx.array(prompt)[None], cache=cache)[0, -1]
@@ -226,28 +211,41 @@ def assert_prefill_matches_plain(model, cache, prompt):
     assert (mx.abs(got - want).max() / mx.abs(want).max()).item() < 1e-4
 
 
-@pytest.mark.parametrize("name, preset, lines", [
-    pytest.param("llama_d40", "k2v2_g128", 1, marks=PACKING),
-    pytest.param("llama_d72", "k4v2_g128", 1, marks=PACKING),
-    pytest.param("llama_d120", "k2v2_g128", 1, marks=PACKING),
-    ("llama_d72", "k4v4_g128", 1),  # no Hadamard transform of size 72: runs unrotated, says so once
-    ("llama_d120", "k4v4_g128", 1),
-    ("llama_d40", "k4v4_g128", 0),  # 40 = 20 * 2 rotates, and 4-bit codes pack 8 to a word
+@pytest.mark.parametrize("name, preset, quantized, lines", [
+    # Value codes pack along the head dim: D * v_bits must fill whole uint32 words, else the layer stays plain.
+    ("llama_d40", "k2v2_g128", False, 1),
+    ("llama_d72", "k4v2_g128", False, 1),
+    ("llama_d120", "k2v2_g128", False, 1),
+    ("llama_d40", "k2v4_g128", True, 0),  # key codes pack along the tile's tokens: 2-bit keys fit any head dim
+    ("llama_d72", "k4v4_g128", True, 1),  # no Hadamard transform of size 72: runs unrotated, says so once
+    ("llama_d120", "k4v4_g128", True, 1),
+    ("llama_d40", "k4v4_g128", True, 0),  # 40 = 20 * 2 rotates, and 4-bit codes pack 8 to a word
 ])
-def test_head_dim_the_rotation_or_packing_cannot_take_falls_back_with_one_log_line(name, preset, lines, packed_calls,
-                                                                                   log_lines):
+def test_head_dim_the_rotation_or_packing_cannot_take_falls_back_with_one_log_line(name, preset, quantized, lines,
+                                                                                   packed_calls, log_lines):
     model = tiny_model(name)
     D = model.args.head_dim
     assert_prefill_matches_plain(model, kvarn_mlx.make_cache(model, preset, sink=SINK), tokens(PROMPT, seed=1))
     for seed in (1, 2):
         cache = kvarn_mlx.make_cache(model, preset, sink=SINK)
         assert generate(model, tokenizer(), tokens(PROMPT, seed=seed), max_tokens=4, prompt_cache=cache)
+        assert all(type(c) is (KVarNCache if quantized else KVCache) for c in cache)
     assert all(err < 1e-4 for _, err in packed_calls)
-    assert packed_calls or lines  # quantized, or left plain and said so
+    assert bool(packed_calls) == quantized
     assert sum(f"head dim {D}" in m for m in log_lines()) == lines, log_lines()
+    assert len(log_lines()) == lines, log_lines()
 
 
-@pytest.mark.parametrize("name", [pytest.param("deepseek_v2", marks=KV_DIMS), pytest.param("minicpm3", marks=KV_DIMS)])
+def test_a_kvarn_cache_made_by_hand_names_the_shape_it_cannot_hold():
+    c = KVarNCache("k4v2_g128")
+    with pytest.raises(ValueError, match=r"value head dim 40 .* 2 bits.*make_cache leaves such layers plain"):
+        c.update_and_fetch(mx.zeros((1, 1, 4, 40)), mx.zeros((1, 1, 4, 40)))
+    with pytest.raises(ValueError, match=r"different head dims \(96 and 64\)"):
+        c.update_and_fetch(mx.zeros((1, 1, 4, 96)), mx.zeros((1, 1, 4, 64)))
+    assert c.empty()  # nothing was stored
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "minicpm3"])
 def test_keys_and_values_of_different_head_dims(name, packed_calls, log_lines):
     model = tiny_model(name)
     assert_prefill_matches_plain(model, make(model), tokens(PROMPT, seed=1))
@@ -257,13 +255,49 @@ def test_keys_and_values_of_different_head_dims(name, packed_calls, log_lines):
         assert {id(c) for c, _ in packed_calls} == {id(c) for c in kvarn_layers(cache)}
         assert all(err < 1e-4 for _, err in packed_calls)
     else:  # left plain, said once
-        assert len(log_lines()) == 1, log_lines()
+        assert not kvarn_layers(cache)
+        assert len(log_lines()) == 1 and "different head dims" in log_lines()[0], log_lines()
 
 
-@LATENT
 def test_latent_attention_is_not_sent_to_packed_attention(packed_calls, log_lines):
     model = tiny_model("deepseek_v3")
     assert_prefill_matches_plain(model, make(model), tokens(PROMPT, seed=1))
     assert generate(model, tokenizer(), tokens(PROMPT, seed=1), max_tokens=4, prompt_cache=make(model))
     assert not packed_calls
-    assert len(log_lines()) == 1, log_lines()
+    assert len(log_lines()) == 1, log_lines()  # the latent and the rope key have different head dims: plain
+
+
+def test_attention_on_arrays_the_cache_did_not_return_is_mlx_lm_attention_and_said_once(packed_calls, log_lines):
+    # What a latent-attention model does at every step when its two cached arrays share a head dim:
+    # it attends on keys and values it derived from those update_and_fetch returned.
+    c = KVarNCache(kvarn_mlx.get_preset("k4v4_g128", sink=4))
+    c.announce_bypass = True  # as make_cache sets it
+    q = mx.random.normal((1, 2, 1, 64), key=mx.random.key(0))
+    for step in range(3):
+        x = mx.random.normal((1, 1, 140 if step == 0 else 1, 64), key=mx.random.key(step + 1))
+        k, v = c.update_and_fetch(x, x * 0.5)
+        derived = k * 2.0
+        got = base.scaled_dot_product_attention(q, derived, v, cache=c, scale=0.125, mask=None)
+        want = mx.fast.scaled_dot_product_attention(q, derived, v, scale=0.125, mask=None)
+        assert mx.array_equal(got, want)
+    assert not packed_calls
+    assert sum("dequantiz" in m for m in log_lines()) == 1, log_lines()
+    # The arrays it returned go to packed attention.
+    k, v = c.update_and_fetch(x, x)
+    base.scaled_dot_product_attention(q, k, v, cache=c, scale=0.125, mask=None)
+    assert [cache for cache, _ in packed_calls] == [c]
+
+
+def test_only_caches_from_make_cache_announce_attention_that_bypasses_them(log_lines):
+    c = KVarNCache("k4v4_g128")  # byte accounting and the planner feed caches that nothing attends on
+    for _ in range(3):
+        c.update_and_fetch(mx.zeros((1, 1, 8, 64)), mx.zeros((1, 1, 8, 64)))
+    assert not log_lines()
+
+
+def test_make_cache_reads_head_dims_without_an_observed_attention_call():
+    model = tiny_model("llama")
+    seen = []
+    with kvarn_mlx.integration.observe(lambda *a: seen.append(a)):
+        cache = make(model)
+    assert not seen and kvarn_layers(cache) and all(c.empty() for c in kvarn_layers(cache))
