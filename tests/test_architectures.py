@@ -301,3 +301,18 @@ def test_make_cache_reads_head_dims_without_an_observed_attention_call():
     with kvarn_mlx.integration.observe(lambda *a: seen.append(a)):
         cache = make(model)
     assert not seen and kvarn_layers(cache) and all(c.empty() for c in kvarn_layers(cache))
+
+
+def test_a_cache_list_with_a_kvarn_member_saves_and_loads(tmp_path):
+    # Falcon-H1: CacheList(ArraysCache, KVarNCache) per layer, through mlx-lm's prompt-cache files.
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    model = tiny_model("falcon_h1")
+    cache = make(model)
+    mx.eval(model(mx.array(tokens(PROMPT, seed=6))[None], cache=cache))
+    save_prompt_cache(str(tmp_path / "c.safetensors"), cache)
+    loaded = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    assert [type(m) for _, m in layer_caches(loaded)] == [type(m) for _, m in layer_caches(cache)]
+    assert kvarn_layers(loaded) and all(c.n_tiles == 1 for c in kvarn_layers(loaded))
+    step = mx.array([[7]])
+    assert mx.array_equal(model(step, cache=loaded), model(step, cache=cache))
