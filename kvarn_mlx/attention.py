@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from . import dispatch, kernels, quant
+from . import dispatch, fp8, kernels, quant
 from .tiles import StepView
 
 
@@ -81,10 +81,11 @@ def attend(queries, view: StepView, scale, mask=None, sinks=None):
         parts.append((dense_scores(sk, mask_sink).reshape(B, H, rows, S), sv))
     if tiles is not None:
         q_rot = quant.rotated_where(view.rotate_k, q, quant.rotate)
-        kw, ka, kb, kt = (x[:n] for x in (tiles.k_words, tiles.k_a, tiles.k_b, tiles.k_t))
-        st = mx.quantized_matmul(q_rot[None], kw, ka[..., None].astype(f32), kb[..., None].astype(f32),
+        kw = tiles.k_words[:n]
+        ka, kb, kt = (fp8.to_float32(x[:n]) for x in (tiles.k_a, tiles.k_b, tiles.k_t))  # scales as float32
+        st = mx.quantized_matmul(q_rot[None], kw, ka[..., None], kb[..., None],
                                  transpose=False, group_size=G, bits=view.k_bits)
-        st = st * kt[:, :, :, None, :].astype(f32)
+        st = st * kt[:, :, :, None, :]
         if mask_tiles is not None:
             st = _apply_mask(st.reshape(n, B, H, n_rep, L, G), mask_tiles).reshape(n, B, H, rows, G)
         parts.append((st, None))
@@ -106,7 +107,7 @@ def attend(queries, view: StepView, scale, mask=None, sinks=None):
         if values is None:  # the tiles
             e = mx.exp(s - m[None])
             total = total + e.sum(axis=(0, -1))[..., None]
-            o_rot = (_tile_values(e, tiles, n, view.v_bits, D) * tiles.v_c[:n, :, :, None, :].astype(f32)).sum(axis=0)
+            o_rot = (_tile_values(e, tiles, n, view.v_bits, D) * fp8.to_float32(tiles.v_c[:n])[:, :, :, None, :]).sum(axis=0)
             o = o + (quant.unrotate(o_rot) if view.rotate_v else o_rot)
         else:
             e = mx.exp(s - m)
@@ -117,15 +118,16 @@ def attend(queries, view: StepView, scale, mask=None, sinks=None):
 
 def _tile_values(p, tiles, n, bits, D):
     """sum_g p[g] * (code[g, d] * a[g] + b[g]) for p [n, B, H, rows, G]: [n, B, H, rows, D]."""
-    words, a, b = (x[:n] for x in (tiles.v_words, tiles.v_a, tiles.v_b))
+    words = tiles.v_words[:n]
+    a, b = (fp8.to_float32(x[:n]) for x in (tiles.v_a, tiles.v_b))
     gs = next((g for g in (128, 64, 32) if D % g == 0), None)
     if gs is None:  # no group size of mx.quantized_matmul fits D (e.g. 80)
         code = quant.unpack(words, bits).astype(mx.float32)
-        return p @ (code * a[..., None].astype(mx.float32) + b[..., None].astype(mx.float32))
+        return p @ (code * a[..., None] + b[..., None])
     # Per-token scales repeat over the D/gs groups of a row.
     rep = D // gs
-    a = mx.repeat(a[..., None].astype(mx.float32), rep, axis=-1)
-    b = mx.repeat(b[..., None].astype(mx.float32), rep, axis=-1)
+    a = mx.repeat(a[..., None], rep, axis=-1)
+    b = mx.repeat(b[..., None], rep, axis=-1)
     return mx.quantized_matmul(p, words, a, b, transpose=False, group_size=gs, bits=bits)
 
 

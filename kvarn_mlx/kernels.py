@@ -87,7 +87,7 @@ def quantize_unsupported(x, bits, iters, scale_dtype):
         return f"tile size {G} at {bits} bits (G*bits must fill uint32 words)"
     if x.dtype not in FLOAT_DTYPES:
         return f"input dtype {x.dtype}"
-    if scale_dtype not in quant._SCALE_DTYPES:
+    if scale_dtype not in quant._SCALE_DTYPES or scale_dtype == "fp8":
         return f"scale dtype {scale_dtype!r}"
     if not isinstance(iters, int) or iters < 0:
         return f"iters={iters!r}"
@@ -164,7 +164,7 @@ def attention_unsupported(q, view: StepView):
         if x.dtype not in FLOAT_DTYPES:
             return f"sink/tail dtype {x.dtype}"
     sdts = {x.dtype for x in tiles.arrays() if x.dtype != mx.uint32}
-    if len(sdts) != 1 or next(iter(sdts)) not in FLOAT_DTYPES:
+    if len(sdts) != 1 or next(iter(sdts)) not in (*FLOAT_DTYPES, mx.uint8):  # uint8: e4m3 scales
         return f"scale dtypes {sorted(str(d) for d in sdts)}"
     if tiles.k_words.dtype != mx.uint32 or tiles.v_words.dtype != mx.uint32:
         return f"code words of dtype {tiles.k_words.dtype}"

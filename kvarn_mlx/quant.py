@@ -8,11 +8,13 @@ import math
 
 import mlx.core as mx
 
+from . import fp8
+
 # Inputs are clamped to +/-LIMIT (NaN -> 0) before quantizing: a documented safe
 # result instead of NaN scales. 2^24 keeps every product of scales inside
 # float16's range once balance_exponents has split it.
 LIMIT = 2.0**24
-_SCALE_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+_SCALE_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32, "fp8": mx.uint8}
 
 
 def can_rotate(D: int) -> bool:
@@ -172,6 +174,9 @@ def quantize_tiles(M, bits, iters=8, scale_dtype="float16"):
     """Rotated tiles M [..., R, C] -> (words [..., R, C*bits/32], a [..., R], b [..., R], col [..., C])."""
     balanced, sc, sr = normalize(M, iters)
     code, scale, lo = rtn(balanced, bits)
+    if scale_dtype == "fp8":  # e4m3 bytes, codes rounded against them (fp8.py)
+        code, a, b, col = fp8.store(M, bits, (sr * scale)[..., 0], (sr * lo)[..., 0], sc[..., 0, :], scale[..., 0] > 1e-10)
+        return pack(code, bits), a, b, col
     a, b, col = balance_exponents((sr * scale)[..., 0], (sr * lo)[..., 0], sc[..., 0, :])
     dt = _SCALE_DTYPES[scale_dtype]
     return pack(code, bits), a.astype(dt), b.astype(dt), col.astype(dt)
@@ -208,11 +213,13 @@ def quantize_values(v, bits, iters=8, rotated=True, scale_dtype="float16"):
 def dequantize_keys(words, a, b, t, bits):
     """Rotated K tiles [..., G, D] in float32."""
     code = unpack(words, bits).astype(mx.float32)
-    K = (code * a[..., None].astype(mx.float32) + b[..., None].astype(mx.float32)) * t[..., None, :].astype(mx.float32)
+    a, b, t = (fp8.to_float32(s) for s in (a, b, t))
+    K = (code * a[..., None] + b[..., None]) * t[..., None, :]
     return mx.swapaxes(K, -1, -2)
 
 
 def dequantize_values(words, a, b, c, bits):
     """Rotated V tiles [..., G, D] in float32."""
     code = unpack(words, bits).astype(mx.float32)
-    return (code * a[..., None].astype(mx.float32) + b[..., None].astype(mx.float32)) * c[..., None, :].astype(mx.float32)
+    a, b, c = (fp8.to_float32(s) for s in (a, b, c))
+    return (code * a[..., None] + b[..., None]) * c[..., None, :]

@@ -174,6 +174,70 @@ def balance_exponents(a, b, col):
     return a * f, b * f, col / f
 
 
+# FP8 (e4m3) scale storage (kvarn_mlx/fp8.py) ---------------------------------
+
+FP8_E_LO, FP8_E_HI, FP8_TINY = -6.0, np.log2(448.0), 2.0**-9
+
+
+def fp8_decode(u):
+    """e4m3 bytes -> float32: sign, 4 exponent bits (bias 7), 3 mantissa bits; 0x7f/0xff are NaN."""
+    u = np.asarray(u, np.uint8).astype(np.int64)
+    e, m = (u >> 3) & 15, u & 7
+    x = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * 2.0 ** (e - 7))
+    x = np.where((e == 15) & (m == 7), np.nan, x)
+    return np.where(u & 128, -x, x).astype(np.float32)
+
+
+_FP8_VALUES = fp8_decode(np.arange(128))[:127]  # the non-negative finite values, ascending
+
+
+def fp8_encode(x):
+    """float -> e4m3 bytes: round to nearest, ties to an even mantissa, saturating at 448."""
+    x = np.asarray(x, np.float32)
+    mag = np.minimum(np.abs(x), 448.0)
+    hi = np.clip(np.searchsorted(_FP8_VALUES, mag), 1, 126)  # _FP8_VALUES[hi - 1] <= mag <= _FP8_VALUES[hi]
+    lo = hi - 1
+    d_lo, d_hi = mag - _FP8_VALUES[lo], _FP8_VALUES[hi] - mag
+    code = np.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
+    code = np.where(mag == 0, 0, code)
+    return (code | np.where(np.signbit(x), 128, 0)).astype(np.uint8)
+
+
+def fp8_fit_exponents(a, b, col, live):
+    """Power-of-two exponent k: a, b * 2^k and col / 2^k inside e4m3 (fp8.fit_exponents)."""
+    log2 = lambda v: np.log2(np.maximum(v, 1e-30))
+    r_hi = log2(max(np.abs(a).max(), np.abs(b).max()))
+    r_lo = log2(np.abs(a[live]).min()) if live.any() else np.inf
+    c_hi, c_lo = log2(col.max()), log2(col.min())
+    up = min(FP8_E_HI - r_hi, c_lo - FP8_E_LO)
+    down = min(r_lo - FP8_E_LO, FP8_E_HI - c_hi)
+    k = np.rint((up - down) / 2)
+    k_min, k_max = np.ceil(c_hi - FP8_E_HI), np.floor(FP8_E_HI - r_hi)
+    return np.clip(k, k_min, k_max) if k_min <= k_max else np.rint((c_hi - r_hi) / 2)
+
+
+def fp8_store(M, bits, a, b, col, live):
+    """Tile M [R, C] and its exact factors -> (code, a, b, col) with a, b, col as e4m3
+    bytes (after the exponent fit) and the codes rounded against the stored scales."""
+    f = np.float32(2.0 ** fp8_fit_exponents(a, b, col, live))
+    a8 = fp8_encode(np.maximum(a * f, np.float32(FP8_TINY)))
+    b8 = fp8_encode(b * f)
+    c8 = fp8_encode(np.maximum(col / f, np.float32(FP8_TINY)))
+    a_s, b_s, c_s = fp8_decode(a8), fp8_decode(b8), fp8_decode(c8)
+    code = np.clip(np.rint((M / c_s[None, :] - b_s[:, None]) / a_s[:, None]), 0, 2**bits - 1)
+    return code.astype(np.uint8), a8, b8, c8
+
+
+def quantize_tile_fp8(M, bits, iters=8):
+    """quantize_tile with e4m3 scales (fp8_store)."""
+    if not np.isfinite(M).all():
+        raise ValueError("tile holds NaN or Inf")
+    M = M.astype(np.float32)
+    balanced, sc, sr = normalize(M, iters)
+    _, scale, lo = rtn(balanced, bits)
+    return fp8_store(M, bits, (sr * scale)[:, 0], (sr * lo)[:, 0], sc[0], scale[:, 0] > np.float32(1e-10))
+
+
 def dequantize_tile(code, a, b, col):
     return (code * a[:, None] + b[:, None]) * col[None, :]
 

@@ -15,6 +15,7 @@
 //          tile storage, tile-major (tiles [0, n_tiles) are read; the rest is room):
 //          k_words [NCAP, BH, D, G*KB/32] uint32; k_a, k_b [NCAP, BH, D] SC; k_t [NCAP, BH, G] SC
 //          v_words [NCAP, BH, G, D*VB/32] uint32; v_a, v_b [NCAP, BH, G] SC; v_c [NCAP, BH, D] SC
+//          (SC: a float type, or uint8 holding e4m3 scales: kvarn_scale reads either)
 //          params int32 [n_tiles, BH, S, Tn, tiles_per_split, L, R, causal, NS, n_rc]
 //          scale float32 [1]
 // outputs: o_part [BH, NS, R, D], m_part [BH, NS, R], l_part [BH, NS, R] (float32)
@@ -91,13 +92,13 @@ for (int blk = 0; blk < nblk; blk++) {
     const int row = row0 + r;
     float qv = 0.0f;
     if (row < R) qv = dense ? q[(size_t(bh) * R + row) * D + d] : qr[(size_t(bh) * R + row) * D + d];
-    QA[idx] = dense ? qv : qv * float(k_a[tb * D + d]);
+    QA[idx] = dense ? qv : qv * kvarn_scale(k_a[tb * D + d]);
   }
   if (int(sg) < RC) {
     const int row = row0 + int(sg);
     float s = 0.0f;
     if (!dense && row < R)
-      for (int d = lane; d < D; d += 32) s += qr[(size_t(bh) * R + row) * D + d] * float(k_b[tb * D + d]);
+      for (int d = lane; d < D; d += 32) s += qr[(size_t(bh) * R + row) * D + d] * kvarn_scale(k_b[tb * D + d]);
     s = simd_sum(s);
     if (lane == 0) QB[sg] = s;
   }
@@ -135,7 +136,7 @@ for (int blk = 0; blk < nblk; blk++) {
     for (uint m = 1; m < uint(CP); m <<= 1)
       for (int r = 0; r < RC; r++) acc[r] += simd_shuffle_xor(acc[r], m);
     if (cp == 0) {
-      const float tg = dense ? 1.0f : float(k_t[tb * G + gs]);
+      const float tg = dense ? 1.0f : kvarn_scale(k_t[tb * G + gs]);
       const int pos = pos0 + gs;
       for (int r = 0; r < RC; r++) {
         const int i = (row0 + r) % L;
@@ -158,8 +159,8 @@ for (int blk = 0; blk < nblk; blk++) {
     for (int g = lane; g < G; g += 32) {
       const float s = SS[r * G + g];
       const float p = s > 0.5f * KVARN_NEG ? metal::exp(s - m_new) : 0.0f;
-      const float av = dense ? 1.0f : float(v_a[tb * G + g]);
-      const float bv = dense ? 0.0f : float(v_b[tb * G + g]);
+      const float av = dense ? 1.0f : kvarn_scale(v_a[tb * G + g]);
+      const float bv = dense ? 0.0f : kvarn_scale(v_b[tb * G + g]);
       PA[r * G + g] = p * av;
       PB[r * G + g] = p * bv;
       lsum += p;
@@ -178,7 +179,7 @@ for (int blk = 0; blk < nblk; blk++) {
       const float cr = CORR[r];
       for (int j = 0; j < CPT; j++) o[r][j] *= cr;
     }
-    for (int j = 0; j < CPT; j++) cj[j] = dense ? 1.0f : float(v_c[tb * D + d0 + j]);
+    for (int j = 0; j < CPT; j++) cj[j] = dense ? 1.0f : kvarn_scale(v_c[tb * D + d0 + j]);
     for (int g = tl; g < G; g += TL) {
       float val[CPT];
       if (dense) {

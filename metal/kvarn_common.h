@@ -15,6 +15,17 @@ inline float kvarn_sanitize(float v) {
   return v > KVARN_LIMIT ? KVARN_LIMIT : (v < -KVARN_LIMIT ? -KVARN_LIMIT : v);
 }
 
+// A stored scale as float: float types cast, uint8 read as an e4m3 byte (fp8 scales:
+// sign, 4 exponent bits of bias 7, 3 mantissa bits; 0x7f/0xff, NaN, are never stored).
+// Built from the bits, so exact under fast math.
+inline float kvarn_scale(uchar u) {
+  const uint e = (uint(u) >> 3) & 15u, m = uint(u) & 7u;
+  const float x = e ? as_type<float>(((e + 120u) << 23) | (m << 20)) : float(m) * 0.001953125f;  // m * 2^-9
+  return (u & 128u) ? -x : x;
+}
+template <typename T>
+inline float kvarn_scale(T v) { return float(v); }
+
 // Sum over the G tokens of a tile for every channel: each thread holds one
 // partial per channel it owns (EPL channels lane*EPL+e, summed over its tokens);
 // simdgroups hold disjoint token ranges, so partials are combined through
