@@ -229,3 +229,27 @@ def test_metal_quantization_of_fp8_scales_is_an_announced_fallback(caplog):
     assert all(np.array_equal(np.array(g), np.array(w)) for g, w in zip(got, want))
     assert sum("scale dtype 'fp8'" in r.getMessage() for r in caplog.records) == 1
     dispatch._backend = None
+
+
+def test_model_logits_with_fp8_scales_are_as_close_to_the_plain_cache():
+    """A tiny model through every attention path a cache sees (a long prompt chunk over
+    existing tiles, short chunks, one-token decoding): fp8 scales move the logits from
+    the plain cache's about as much as float16 scales do. A path that read the e4m3
+    bytes as numbers would be off by orders of magnitude."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvarn_mlx.integration import make_cache
+    from models import tiny_model, tokens
+
+    model = tiny_model("llama64")
+    outs = {}
+    for s in ("plain", "float16", "fp8"):
+        cache = make_prompt_cache(model) if s == "plain" else make_cache(
+            model, KVarNConfig(k_bits=4, v_bits=4, group_size=64, sink=64, scale_dtype=s))
+        logits = [model(mx.array(tokens(200, seed=1))[None], cache=cache)]  # sink + 2 tiles
+        for chunk in (100, 5, 1, 1):  # attends over the tiles with long, short and one-token steps
+            logits.append(model(mx.array(tokens(chunk, seed=chunk))[None], cache=cache))
+        outs[s] = np.concatenate([np.array(x[0].astype(mx.float32)) for x in logits])
+    rms = {s: float(np.sqrt(np.mean((outs[s] - outs["plain"]) ** 2))) for s in ("float16", "fp8")}
+    print(f"\nRMS logit change from the plain cache: {rms} (logits' std {outs['plain'].std():.2f})")
+    assert 0 < rms["fp8"] < 1.5 * rms["float16"]
