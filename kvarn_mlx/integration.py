@@ -114,20 +114,27 @@ def _head_dims(model):
             if type(m) is KVCache and m.keys is not None}
 
 
-def make_cache(model, preset=DEFAULT_PRESET, **overrides):
+def make_cache(model, preset=DEFAULT_PRESET, fp16_layers=(), **overrides):
     """The model's prompt cache with plain KVCache layers replaced by KVarNCache.
 
     preset: a preset name, a KVarNConfig, "fp16" (plain cache), or a list with
-    one of those (or None, meaning plain) per layer. overrides set config fields
+    one of those (or None, meaning plain) per layer. fp16_layers: layer indices
+    (negative ones count from the end, e.g. (0, -1)) left as mlx-lm's plain
+    cache whatever the preset. overrides set config fields
     (e.g. sink=0), for names and configs alike. KVCaches inside a CacheList are
     replaced too; other cache kinds (sliding-window, recurrent) are left as they
     are, and so is a KVCache whose head dims KVarN cannot hold (cache.cannot_hold;
     said once). Also turns on the packed-attention patch.
     """
     caches = mlx_cache.make_prompt_cache(model)
-    per_layer = preset if isinstance(preset, (list, tuple)) else [preset] * len(caches)
+    per_layer = list(preset) if isinstance(preset, (list, tuple)) else [preset] * len(caches)
     if len(per_layer) != len(caches):
         raise ValueError(f"got {len(per_layer)} per-layer presets for a model with {len(caches)} cache layers")
+    for i in fp16_layers:
+        if not -len(caches) <= i < len(caches):
+            raise ValueError(f"fp16 layer {i} does not exist: the model has {len(caches)} layers "
+                             f"(0..{len(caches) - 1}, or -1..-{len(caches)} from the end)")
+        per_layer[i] = None
     dims = _head_dims(model) or {}
     skipped, left_plain, n_kv = set(), {}, 0
     for i, (c, p) in enumerate(zip(caches, per_layer)):
