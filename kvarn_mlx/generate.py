@@ -20,7 +20,7 @@ from mlx_lm.sample_utils import make_sampler
 from . import budget, memory, prompt_cache
 from .cache import KVarNCache
 from .integration import make_cache
-from .config import DEFAULT_PRESET, FP16, PRESETS
+from .config import DEFAULT_PRESET, FP16, PRESETS, get_preset
 from .prompt_cache import PromptCacheError
 
 DEFAULT_PROMPT = "hello"
@@ -46,6 +46,8 @@ def setup_arg_parser():
     p.add_argument("--kv-preset", default=DEFAULT_PRESET,
                    help=f"KV cache: one of {', '.join([*PRESETS, FP16])} (default {DEFAULT_PRESET})")
     p.add_argument("--kv-sink", type=int, default=None, help="Leading tokens kept in full precision (default: one tile)")
+    p.add_argument("--kv-fp16-layers", default=None, metavar="I,J,...",
+                   help="Layers left in mlx-lm's plain cache whatever --kv-preset, e.g. 0,-1 (negative: from the end)")
     p.add_argument("--compare", action="store_true", help="Also run the prompt with mlx-lm's plain cache and compare")
     p.add_argument("--prompt-cache-file", default=None,
                    help="Reuse the cache saved in this file; if it does not exist, save the cache there "
@@ -64,8 +66,13 @@ def setup_arg_parser():
 
 def check_args(args):
     """Raise UsageError for the first flag that cannot work (before any model is loaded)."""
-    if args.kv_preset not in PRESETS and args.kv_preset != FP16:
-        raise UsageError(f"unknown --kv-preset {args.kv_preset!r}; valid: {', '.join([*PRESETS, FP16])}")
+    if args.kv_preset != FP16:
+        try:
+            get_preset(args.kv_preset)
+        except ValueError:
+            raise UsageError(f"unknown --kv-preset {args.kv_preset!r}; valid: {', '.join([*PRESETS, FP16])}, "
+                             "or any kXvY_gG[_auto] (X, Y: key and value bits, 2-6 or 8; G: 64 or 128)") from None
+    fp16_layers(args)
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens {args.max_tokens}: generate at least 1 token")
     if args.prefill_step_size < 1:
@@ -84,6 +91,17 @@ def check_args(args):
             budget.parse_size(args.max_kv_bytes)
         except ValueError as e:
             raise UsageError(f"--max-kv-bytes: {e}") from None
+
+
+def fp16_layers(args):
+    """--kv-fp16-layers as a list of layer indices ([] when not given)."""
+    if args.kv_fp16_layers is None:
+        return []
+    try:
+        return [int(i) for i in args.kv_fp16_layers.split(",")]
+    except ValueError:
+        raise UsageError(f"--kv-fp16-layers {args.kv_fp16_layers!r}: use layer indices separated by commas, "
+                         "e.g. 0,-1 (negative ones count from the last layer)") from None
 
 
 def read_prompt(args):
@@ -369,8 +387,13 @@ def generate(args):
         cache, _ = prompt_cache.load(cache_file, identity)
         name = f"loaded from {cache_file.name}"
     else:
-        cache = make_cache(model, args.kv_preset, sink=args.kv_sink)
-        name = args.kv_preset
+        try:
+            cache = make_cache(model, args.kv_preset, sink=args.kv_sink, fp16_layers=fp16_layers(args))
+        except ValueError as e:
+            if not args.kv_fp16_layers:
+                raise
+            raise UsageError(f"--kv-fp16-layers {args.kv_fp16_layers}: {e}") from None  # a layer the model lacks
+        name = args.kv_preset + (f", layers {args.kv_fp16_layers} plain" if args.kv_fp16_layers else "")
     held = getattr(cache[0], "offset", 0) if cache else 0
     max_tokens = context_limit(model, args, held, len(prompt_ids))
 

@@ -51,3 +51,40 @@ def test_full_precision_layers_attend_like_the_plain_cache():
     caches = make_cache(model, "k2v2_g128", sink=0, fp16_layers=[0])
     mx.eval(model(prompt, cache=caches))
     assert type(caches[0]) is KVCache and isinstance(caches[1], KVarNCache) and caches[1].n_tiles == 2
+
+
+# python -m kvarn_mlx.generate --kv-fp16-layers ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from model_folder import tiny_model_folder
+
+    return tiny_model_folder(tmp_path_factory.mktemp("models") / "tiny")
+
+
+def _main(argv):
+    from kvarn_mlx import generate
+
+    return generate.main(["--max-tokens", "3", "--prompt", "hi", *argv])
+
+
+@pytest.mark.parametrize("value", ["a,b", "0;1", "", "1.5"])
+def test_generate_bad_layer_list_is_one_line_before_loading(value, monkeypatch):
+    monkeypatch.setattr("kvarn_mlx.loader.load", lambda *a, **k: pytest.fail("loaded before checking flags"))
+    with pytest.raises(SystemExit) as e:
+        _main(["--kv-fp16-layers", value])
+    assert str(e.value.code).startswith(f"error: --kv-fp16-layers {value!r}: use layer indices")
+
+
+def test_generate_keeps_the_layers_plain(tiny_folder, capsys, monkeypatch):
+    from kvarn_mlx import generate
+
+    made = []
+    real = generate.make_cache
+    monkeypatch.setattr(generate, "make_cache", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    _main(["--model", str(tiny_folder), "--kv-preset", "k3v5_g64", "--kv-fp16-layers", "-1"])
+    assert "KV cache: k3v5_g64, layers -1 plain" in capsys.readouterr().out
+    assert kinds(made[0]) == ["KVarNCache", "KVCache"] and made[0][0].config.v_bits == 5
+    with pytest.raises(SystemExit) as e:
+        _main(["--model", str(tiny_folder), "--kv-fp16-layers", "0,2"])
+    assert e.value.code.startswith("error: --kv-fp16-layers 0,2: fp16 layer 2 does not exist: the model has 2 layers")
