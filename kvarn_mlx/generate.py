@@ -3,18 +3,24 @@
 Flags mirror mlx_lm.generate; --kv-preset picks the cache (fp16 = mlx-lm's
 plain cache), --compare runs the same prompt with the plain cache as well.
 --max-kv-bytes stops before the next step could take the cache past a budget.
+--draft-model decodes speculatively (the draft keeps mlx-lm's plain cache).
+Under `mlx.launch` with more than one rank, each rank loads its shard of the
+model (tensor parallel, mlx-lm's sharded_load) and holds its kv heads' share
+of the cache; rank 0 prints.
 Ctrl-C stops the answer at the next token: the text so far, the stats and the
 prompt cache (if asked for) are kept, and the exit code is 130.
 """
 
 import argparse
 import math
+import os
 import signal
 import sys
 import threading
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from . import budget, memory, prompt_cache
@@ -57,6 +63,9 @@ def setup_arg_parser():
                    help="Stop before the KV cache could hold more than SIZE (e.g. 2GB, 512MiB; K/M/G are "
                         "powers of 1024), checked before every prompt chunk and every token; with --compare, "
                         "for each cache")
+    p.add_argument("--draft-model", default=None,
+                   help="A smaller model with the same tokenizer drafting tokens for speculative decoding")
+    p.add_argument("--num-draft-tokens", type=int, default=3, help="Tokens the draft model proposes per step")
     p.add_argument("--allow-beyond-context", action="store_true",
                    help="Keep generating past the model's context length (max_position_embeddings)")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
@@ -86,6 +95,8 @@ def check_args(args):
         raise UsageError(f"--temp {args.temp}: use a finite temperature >= 0 (0 is greedy)")
     if not 0 <= args.top_p <= 1:  # NaN fails too
         raise UsageError(f"--top-p {args.top_p}: use a number from 0 to 1 (1 keeps every token)")
+    if args.num_draft_tokens < 1:
+        raise UsageError(f"--num-draft-tokens {args.num_draft_tokens}: the draft model proposes at least 1 token")
     if args.max_kv_bytes is not None:
         try:
             budget.parse_size(args.max_kv_bytes)
@@ -147,9 +158,28 @@ def load_model(spec):
     from .loader import ModelLoadError, load
 
     try:
+        if mx.distributed.init().size() > 1:
+            return load_shard(spec)
         return load(spec)
     except (ModelLoadError, RuntimeError, OSError, ValueError) as e:
         raise UsageError(load_error(spec, e)) from None
+
+
+def load_shard(spec):
+    """This rank's shard of the model (tensor parallel over every rank)."""
+    from pathlib import Path
+
+    from mlx_lm.utils import sharded_load
+
+    from . import loader
+
+    if spec is None:
+        path = loader.default_model_path()
+    elif not Path(spec).expanduser().exists() and (m := loader.embedded(spec)) is not None:
+        path = loader.model_path(m)
+    else:
+        path = spec
+    return sharded_load(str(path), tensor_group=mx.distributed.init())
 
 
 def context_limit(model, args, held, n_prompt):
@@ -228,11 +258,12 @@ def check_prefill_budget(kv, done, total, step_size):
                          "(python -m kvarn_mlx.plan shows how much context fits per cache)") from None
 
 
-def run(model, tokenizer, prompt_ids, cache, args, max_tokens=None, ctrl_c=None, out=None, kv=None):
+def run(model, tokenizer, prompt_ids, cache, args, max_tokens=None, ctrl_c=None, out=None, kv=None, draft=None):
     """Stream one generation into `out` (stdout) when verbose; returns (text, last response).
     Stops early when ctrl_c.pressed (last is None if that was before the first token), or
     before a step that could take the cache past the budget `kv` (budget.KVBudget): inside
-    the prompt that is a UsageError, while generating a message on stderr."""
+    the prompt that is a UsageError, while generating a message on stderr. draft: a
+    draft model for speculative decoding (its cache is a fresh plain one)."""
     out = out or sys.stdout
     sampler = make_sampler(args.temp, args.top_p)
     max_tokens = max_tokens or args.max_tokens
@@ -246,9 +277,13 @@ def run(model, tokenizer, prompt_ids, cache, args, max_tokens=None, ctrl_c=None,
             print(f"\rprefill {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
     text, last = "", None
+    speculative = {}
+    if draft is not None:
+        speculative = dict(draft_model=draft, num_draft_tokens=args.num_draft_tokens)
+        cache = cache + make_prompt_cache(draft)
     stream = stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler,
                              prompt_cache=cache, prefill_step_size=args.prefill_step_size,
-                             prompt_progress_callback=progress)
+                             prompt_progress_callback=progress, **speculative)
     try:
         for r in stream:
             text += r.text
@@ -378,7 +413,10 @@ def generate(args):
     if args.seed is not None:
         mx.random.seed(args.seed)
 
+    if mx.distributed.init().rank() > 0:  # every rank computes; rank 0 prints
+        sys.stdout = open(os.devnull, "w")
     model, tokenizer = load_model(args.model)
+    draft = load_model(args.draft_model)[0] if args.draft_model else None
     prompt_ids = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
     if len(prompt_ids) == 0:
         raise UsageError("the prompt has no tokens; pass some text with --prompt")
@@ -399,7 +437,7 @@ def generate(args):
 
     with CtrlC() as ctrl_c:
         text, last = run(model, tokenizer, prompt_ids, cache, args, max_tokens, ctrl_c,
-                         kv=kv_budget(model, cache, args))
+                         kv=kv_budget(model, cache, args), draft=draft)
     if ctrl_c.pressed:
         print("interrupted: stopped the generation", file=sys.stderr)
     if args.verbose:
@@ -422,7 +460,7 @@ def generate(args):
         ref_cache = make_cache(model, FP16)
         with CtrlC() as ctrl_c:
             ref_text, ref_last = run(model, tokenizer, prompt_ids, ref_cache, args, max_tokens, ctrl_c,
-                                     kv=kv_budget(model, ref_cache, args))
+                                     kv=kv_budget(model, ref_cache, args), draft=draft)
         if not args.verbose:
             print(ref_text)
         print_stats(FP16, ref_last, ref_cache)

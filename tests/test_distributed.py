@@ -50,7 +50,8 @@ def model_dir(tmp_path_factory):
 
 
 def launch(n, *command, **kwargs):
-    return subprocess.Popen([LAUNCH, "--backend", "ring", "-n", str(n), "--python", sys.executable, *command],
+    # "--": mlx.launch would take the command's own flags it shares (e.g. --verbose).
+    return subprocess.Popen([LAUNCH, "--backend", "ring", "-n", str(n), "--python", sys.executable, "--", *command],
                             cwd=ROOT, **kwargs)
 
 
@@ -125,9 +126,24 @@ def test_the_server_on_two_ranks(model_dir, tmp_path):
         want, one = serve_and_ask([sys.executable, *args, "--port", str(port)], port, log)
     with open(tmp_path / "two.log", "w") as log:
         port = free_port()
-        got, two = serve_and_ask([LAUNCH, "--backend", "ring", "-n", "2", "--python", sys.executable,
+        got, two = serve_and_ask([LAUNCH, "--backend", "ring", "-n", "2", "--python", sys.executable, "--",
                                   *args, "--port", str(port)], port, log)
     assert got == want
     held_one, held_two = one["prompt_cache"], two["prompt_cache"]
     assert held_one["tokens"] == held_two["tokens"] > 64
     assert 2 * held_two["held"] == held_one["held"]  # rank 0 holds its half
+
+
+def test_generate_on_two_ranks(model_dir):
+    args = ["-m", "kvarn_mlx.generate", "--model", str(model_dir), "--prompt", "tell me " * 40, "--max-tokens", "50",
+            *PRESET, "--verbose", "false"]
+    one = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert one.returncode == 0, one.stderr
+    proc = launch(2, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    assert out == one.stdout  # rank 0 prints the single process's text, rank 1 nothing

@@ -159,3 +159,23 @@ def test_speculative_decoding_gives_the_greedy_tokens(preset, prompt_len, draft_
             assert gaps[i] < 1e-3, f"token {i}: {a} greedy, {b} speculative, top-two gap {gaps[i]:.2e}"
             return  # a near tie: the tokens after it are not comparable
     assert got == want
+
+
+def test_generate_with_a_draft_model(tmp_path, capsys, monkeypatch):
+    # python -m kvarn_mlx.generate --draft-model: the same text as without it.
+    from kvarn_mlx import attention, generate
+    from model_folder import tiny_model_folder
+
+    main, draft = tiny_model_folder(tmp_path / "main"), tiny_model_folder(tmp_path / "draft", seed=1)
+    args = ["--model", str(main), "--prompt", "the quick brown fox " * 12, "--max-tokens", "90",
+            "--kv-preset", "k4v2_g64", "--kv-sink", "16", "--verbose", "false"]
+    generate.main(args)
+    want = capsys.readouterr().out
+    splits = []
+    split_step = attention._split_step
+    monkeypatch.setattr(attention, "_split_step", lambda *a: splits.append(1) or split_step(*a))
+    generate.main(args + ["--draft-model", str(draft), "--num-draft-tokens", "3"])
+    assert capsys.readouterr().out == want
+    assert splits  # verification steps completed tiles
+    with pytest.raises(SystemExit, match="--num-draft-tokens 0"):
+        generate.main(args + ["--draft-model", str(draft), "--num-draft-tokens", "0"])
