@@ -6,5 +6,6 @@
     fidelity.py      teacher-forced logits vs the plain cache, per context length
     accumulation.py  attention-output error by position, accumulated vs static
     decode.py        greedy decoding: first divergence, per-step KL
+    retrieval.py     passkey / multi-key needle retrieval by depth and context length
     __main__.py      the command line
 """

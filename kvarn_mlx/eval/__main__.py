@@ -8,6 +8,8 @@ Subcommands
                 "accumulated" (chunked prefill) next to "static" (one-shot).
   decode        greedy decoding: steps until the first token that differs from the
                 full-precision run, and per-step KL on the full-precision trajectory.
+  retrieval     passkey and multi-key needle-in-a-haystack: accuracy by needle
+                depth and context length, with 95% intervals and heat maps.
 
 By default (--attention dequant) the model sees each quantized cache as a plain
 one holding its dequantized K/V, and mlx-lm's attention
@@ -20,10 +22,10 @@ mlx-lm's quantized attention for mlxqB).
 import argparse
 import sys
 
-from . import accumulation, decode, fidelity, methods
+from . import accumulation, decode, fidelity, methods, retrieval
 from .runner import ATTENTION_MODES, meta_markdown, metadata, write_results
 
-EXPERIMENTS = {m.NAME: m for m in (fidelity, accumulation, decode)}
+EXPERIMENTS = {m.NAME: m for m in (fidelity, accumulation, decode, retrieval)}
 
 
 def setup_arg_parser():

@@ -1,6 +1,6 @@
 """The caches compared by the evaluation, by method name.
 
-Methods, at B = 2 or 4 bits (every tile method uses the same sink and tail):
+Methods, at B = 2, 4 or 8 bits (every tile method uses the same sink and tail):
   fp        mlx-lm's KVCache (the reference)
   kvarnB    KVarN, K and V at B bits (rotation + 8 normalization iterations)
   kiviB     per-channel K / per-token V RTN, no rotation, no normalization
@@ -36,10 +36,10 @@ FAMILIES = ("kvarn", "kivi", "rot", "norm", "oracle", "affine", "mlxq", "konly",
 
 
 def _parse(name):
-    m = re.fullmatch(r"([a-z]+)([24])", name)
+    m = re.fullmatch(r"([a-z]+)([248])", name)
     if not m or m.group(1) not in FAMILIES:
         raise ValueError(f"unknown method {name!r}: use fp, a preset ({', '.join(PRESETS)}) or one of "
-                         f"{', '.join(f + '2' for f in FAMILIES)} (or ...4)")
+                         f"{', '.join(f + '2' for f in FAMILIES)} (or ...4, ...8)")
     return m.group(1), int(m.group(2))
 
 
