@@ -48,7 +48,7 @@ INTRO = {
 
 
 def add_arguments(p):
-    p.add_argument("--methods", default="mlxq4,mlxq8,k2v2_g128,k4v2_g128,auto4v2,k8v8_g128",
+    p.add_argument("--methods", default="mlxq4,mlxq8,k2v2_g128,k4v2_g128,k4v4_g128,k8v8_g128,auto4v2",
                    help="methods compared with the plain cache (always run, as the reference)")
     p.add_argument("--tasks", default="passkey,multikey")
     p.add_argument("--lengths", default="2048,4096,8192", help="prompt tokens (the context the answer reads)")
@@ -60,7 +60,8 @@ def add_arguments(p):
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--answer-tokens", type=int, default=8)
     p.add_argument("--checkpoint", default=None,
-                   help="jsonl of finished prompts: a run that stops resumes from it (default: none)")
+                   help="jsonl of finished prompts: a run that stops resumes from it, and a run with more "
+                        "lengths, depths or trials (same other settings) reuses it (default: none)")
 
 
 def run(args, model, tokenizer, methods, meta_md):
@@ -200,7 +201,11 @@ def retrieval(model, tokenizer, methods, tasks, lengths, depths, trials, keys=4,
     settings = dict(tasks=tasks, lengths=lengths, depths=depths, trials=trials, keys=keys, digits=digits, seed=seed,
                     prefill_step_size=prefill_step_size, answer_tokens=answer_tokens, methods=methods,
                     attention=attention_mode)
-    done = _load_checkpoint(checkpoint, settings)
+    # A record depends on these settings and on its own task, length, depth and trial, so a
+    # checkpoint serves any run that shares them (more lengths, depths or trials reuse it).
+    shared = {k: settings[k] for k in ("keys", "digits", "seed", "prefill_step_size", "answer_tokens", "methods",
+                                       "attention")}
+    done = _load_checkpoint(checkpoint, shared)
     jobs = [(t, L, d, j) for t in tasks for L in lengths for d in depths for j in range(trials)]
     bar = Progress(len(jobs), "retrieval")
     for task, L, depth, j in jobs:
@@ -228,18 +233,18 @@ def retrieval(model, tokenizer, methods, tasks, lengths, depths, trials, keys=4,
         done[key] = rec
         if checkpoint:
             with open(checkpoint, "a") as f:
-                f.write(json.dumps({"settings": settings, "record": rec}) + "\n")
+                f.write(json.dumps({"settings": shared, "record": rec}) + "\n")
         bar.step()
     records = [done[_key(*job)] for job in jobs]
     return {**settings, "records": records, "summary": summarize(records, methods, tasks, lengths, depths)}
 
 
-def _load_checkpoint(path, settings):
+def _load_checkpoint(path, shared):
     done = {}
     if path and Path(path).exists():
         for line in Path(path).read_text().splitlines():
             row = json.loads(line)
-            if row["settings"] == json.loads(json.dumps(settings)):
+            if row["settings"] == json.loads(json.dumps(shared)):
                 r = row["record"]
                 done[_key(r["task"], r["length"], r["depth"], r["trial"])] = r
     return done
