@@ -253,3 +253,19 @@ def test_model_logits_with_fp8_scales_are_as_close_to_the_plain_cache():
     rms = {s: float(np.sqrt(np.mean((outs[s] - outs["plain"]) ** 2))) for s in ("float16", "fp8")}
     print(f"\nRMS logit change from the plain cache: {rms} (logits' std {outs['plain'].std():.2f})")
     assert 0 < rms["fp8"] < 1.5 * rms["float16"]
+
+
+def test_prompt_cache_file_keeps_the_fp8_bytes(tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    cfg = KVarNConfig(k_bits=3, v_bits=2, group_size=64, sink=16, scale_dtype="fp8")
+    cache = KVarNCache(cfg)
+    x = mx.random.normal((1, 2, 16 + 2 * 64 + 5, 64), key=mx.random.key(4))
+    mx.eval(cache.update_and_fetch(x, x))
+    path = str(tmp_path / "fp8.safetensors")
+    save_prompt_cache(path, [cache])
+    (loaded,) = load_prompt_cache(path)
+    assert loaded.config == cfg and loaded.n_tiles == cache.n_tiles == 2
+    for a, b in zip(cache.tiles.valid().arrays(), loaded.tiles.valid().arrays()):
+        assert a.dtype == b.dtype and np.array_equal(np.array(a), np.array(b))
+    assert loaded.tiles.k_a.dtype == mx.uint8
