@@ -6,14 +6,15 @@ same server with mlx-lm's plain cache and with its --kv-bits cache, in one run.
 
 Each server is `python -m kvarn_mlx.server` (mlx_lm.server's own code, with
 its stats endpoint): `--kv-preset <KVarN preset>`, `--kv-preset fp16` (mlx-lm's
-plain cache) and `--kv-preset fp16 --kv-bits 4` (mlx-lm's QuantizedKVCache,
-which cannot be batched: mlx-lm serves it one request at a time). Against
+plain cache) and `--kv-preset fp16 --kv-bits 4 --quantized-kv-start 0`
+(mlx-lm's QuantizedKVCache from the first token; by default it starts at
+5,000 tokens; it cannot be batched: mlx-lm serves it one request at a time). Against
 each: --requests concurrent streaming chat requests from the `openai` client,
 each a different ~--prompt-tokens-token excerpt, greedy. Reported: wall time,
-total (prompt + generated) tokens/s, generated tokens/s, the most sequences
-seen live at once and the KV bytes they held (sampled from GET /v1/kv_stats
-every --poll seconds; bytes of the arrays held), and the prompt cache's
-bytes after the run (the conversations kept for prefix reuse).
+total (prompt + generated) tokens/s, generated tokens/s, the live requests
+when they held the most tokens and the KV bytes they held (the server's
+live_peak in GET /v1/kv_stats; bytes of the arrays held), and the prompt
+cache's bytes after the run (the conversations kept for prefix reuse).
 """
 
 import argparse
@@ -24,7 +25,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -74,7 +74,7 @@ def stream(client, prompt, max_tokens):
     return "".join(text), usage
 
 
-def run_one(name, model, flags, prompts, max_tokens, poll, log_dir):
+def run_one(name, model, flags, prompts, max_tokens, log_dir):
     import openai
 
     with open(log_dir / f"server_{name.replace(' ', '_')}.log", "w") as log:
@@ -83,28 +83,17 @@ def run_one(name, model, flags, prompts, max_tokens, poll, log_dir):
             client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=3600, max_retries=0)
             stream(client, "Hello", 4)  # warm-up: model loaded, kernels built
             base = get(url + "/v1/kv_stats")
-            samples, done = [], threading.Event()
-
-            def sample():
-                while not done.is_set():
-                    samples.append(get(url + "/v1/kv_stats")["live"])
-                    done.wait(poll)
-
-            sampler = threading.Thread(target=sample)
             t0 = time.perf_counter()
-            sampler.start()
             with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
                 results = list(pool.map(lambda p: stream(client, p, max_tokens), prompts))
             wall = time.perf_counter() - t0
-            done.set()
-            sampler.join()
             after = get(url + "/v1/kv_stats")
         finally:
             proc.terminate()
             proc.wait(60)
     prompt_tokens = sum(u.prompt_tokens for _, u in results)
     generated = sum(u.completion_tokens for _, u in results)
-    peak = max(samples, key=lambda s: (s["sequences"], s["tokens"]))
+    peak = after["live_peak"]
     return {
         "name": name, "flags": flags, "wall_s": wall, "prompt_tokens": prompt_tokens, "generated_tokens": generated,
         "total_tok_s": (prompt_tokens + generated) / wall, "generated_tok_s": generated / wall,
@@ -122,8 +111,8 @@ def markdown(meta, args, rows):
         f"{args.requests} concurrent streaming chat requests (openai client), each a different excerpt of "
         f"~{args.prompt_tokens} tokens, greedy, {args.max_tokens} tokens each. Every server is mlx-lm's own "
         "server code started through `python -m kvarn_mlx.server` (for its stats endpoint). "
-        "'live' is the sample of GET /v1/kv_stats with the most sequences live at once (polled every "
-        f"{args.poll}s): bytes of the arrays their caches held. 'plain' is what mlx-lm's KVCache holds for "
+        "'live' is the server's live_peak (GET /v1/kv_stats): the live requests' caches when they held the "
+        "most tokens (measured after a batch step at most once a second): bytes of the arrays held. 'plain' is what mlx-lm's KVCache holds for "
         "those tokens in the model's dtype (float32 here), unpadded. 'prompt cache' is the LRU after the run "
         "(the conversations kept for prefix reuse). **CPU caveat**: 2 shared cores, other jobs running; "
         "MLX's CPU quantized matmul is slow, so speeds here say little about Apple silicon.", "",
@@ -150,7 +139,6 @@ def main():
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=1500)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--poll", type=float, default=0.5)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
 
@@ -166,13 +154,13 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     common = ["--max-tokens", str(args.max_tokens), "--prompt-cache-size", str(2 * args.requests)]
     servers = [("kvarn", ["--kv-preset", args.kv_preset]), ("plain", ["--kv-preset", "fp16"]),
-               ("kv-bits 4", ["--kv-preset", "fp16", "--kv-bits", "4"])]
+               ("kv-bits 4", ["--kv-preset", "fp16", "--kv-bits", "4", "--quantized-kv-start", "0"])]
     logs = Path(tempfile.mkdtemp(prefix="kvarn_server_bench."))
     print(f"server logs in {logs}")
     rows = []
     for name, flags in servers:
         print(f"{name}: {' '.join(flags)}", flush=True)
-        rows.append(run_one(name, model, flags + common, prompts, args.max_tokens, args.poll, logs))
+        rows.append(run_one(name, model, flags + common, prompts, args.max_tokens, logs))
         r = rows[-1]
         print(f"  {r['wall_s']:.1f}s, {r['total_tok_s']:.1f} tok/s, live {r['peak_live']}", flush=True)
     meta = metadata(model.name, "python benchmarks/server.py " + " ".join(sys.argv[1:]))

@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 
 import mlx.core as mx
@@ -45,6 +46,10 @@ _single = []  # the cache of a request served alone (not batchable), while it ru
 _prompt_caches = weakref.WeakSet()
 # Prompt tokens of requests that the model runs (those the prompt cache held are not).
 _counts = {"prompt_tokens": 0}
+# The live figures with the most tokens seen: measured after a step, at most once per
+# PEAK_EVERY seconds or when prompts finish (stats read during a long step wait for it).
+_peak = {"live": None, "at": 0.0}
+PEAK_EVERY = 1.0
 
 
 # -- caches ---------------------------------------------------------------------------
@@ -87,7 +92,10 @@ class BatchGenerator(mlx_server.BatchGenerator):
 
     def next(self):
         with _lock:
-            return super().next()
+            decoding = len(self._generation_batch)
+            out = super().next()
+            _note_peak(force=len(self._generation_batch) > decoding)  # prompts just done: a jump
+            return out
 
     def live_caches(self):
         """The cache of every sequence it holds: single caches, or batch caches with their row count."""
@@ -135,6 +143,8 @@ def stream_generate(*args, prompt_cache=None, **kwargs):
             if first:
                 _counts["prompt_tokens"] += response.prompt_tokens
                 first = False
+            with _lock:
+                _note_peak()
             yield response
     finally:
         with _lock:
@@ -153,15 +163,23 @@ def _bytes(caches, n):
     out = {"sequences": n, "tokens": 0, "held": 0, "plain": 0, "fp16": 0}
     tokens = [0] * n
     for layer in caches:
-        rows = layer.rows if isinstance(layer, BatchKVarNCache) else [layer]
-        for i, c in enumerate(rows):
+        for c in layer.rows if isinstance(layer, BatchKVarNCache) else [layer]:
             b = memory.layer_bytes(c)
             for k in ("held", "plain", "fp16"):
                 out[k] += b[k]
-            if len(rows) == n:
-                tokens[i] = max(tokens[i], b["tokens"])
+        tokens = [max(t, r) for t, r in zip(tokens, _row_tokens(layer, n))]
     out["tokens"] = sum(tokens)
     return out
+
+
+def _row_tokens(layer, n):
+    """Tokens of each of the n sequences a cache layer holds."""
+    if isinstance(layer, BatchKVarNCache):
+        return [r.offset for r in layer.rows]
+    offset = getattr(layer, "offset", None)
+    if isinstance(offset, mx.array):  # mlx-lm's batch caches: one offset per row
+        return [max(0, x) for x in offset.tolist()]
+    return [memory.layer_bytes(layer)["tokens"]] if n == 1 else [0] * n
 
 
 def _total(entries):
@@ -178,14 +196,28 @@ def kv_stats():
     plain cache would hold for the same tokens (in the model's dtype; fp16: at 2
     bytes an element). Figures from the arrays held (kvarn_mlx.memory)."""
     with _lock:
-        live = [part for g in _generators for part in g.live_caches()] + [(c, 1) for c in _single if c]
         stored = [(c, 1) for p in _prompt_caches for c in p.entries()]
-        out = {
-            "live": _total(live),
+        return {
+            "live": _live(),
+            "live_peak": _peak["live"],
             "prompt_cache": _total(stored),
             "prompt_tokens_processed": _counts["prompt_tokens"],
         }
-    return out
+
+
+def _live():
+    return _total([part for g in _generators for part in g.live_caches()] + [(c, 1) for c in _single if c])
+
+
+def _note_peak(force=False):
+    """Keep the live figures if they hold the most tokens yet (measured at most once
+    per PEAK_EVERY seconds, unless forced)."""
+    now = time.monotonic()
+    if force or now - _peak["at"] >= PEAK_EVERY:
+        _peak["at"] = now
+        live = _live()
+        if _peak["live"] is None or live["tokens"] > _peak["live"]["tokens"]:
+            _peak["live"] = live
 
 
 # -- requests -------------------------------------------------------------------------
