@@ -1,12 +1,12 @@
-"""Presets and settings (KVARN_SPEC.md section 5)."""
+"""Presets and settings (docs/algorithm.md, "Tiles, sink and tail")."""
 
 import pytest
 
 from kvarn_mlx import config
 from kvarn_mlx.config import DEFAULT_PRESET, PRESETS, KVarNConfig, get_preset
 
-# The spec's table: name -> (K bits, V bits, G). k3v2 is optional and not shipped.
-SPEC_PRESETS = {
+# The paper's presets: name -> (K bits, V bits, G). k3v2 is optional and not shipped.
+PAPER_PRESETS = {
     "k2v2_g128": (2, 2, 128),
     "k4v2_g128": (4, 2, 128),
     "k4v4_g128": (4, 4, 128),
@@ -14,7 +14,7 @@ SPEC_PRESETS = {
 }
 
 
-@pytest.mark.parametrize("name,expected", sorted(SPEC_PRESETS.items()))
+@pytest.mark.parametrize("name,expected", sorted(PAPER_PRESETS.items()))
 def test_preset_by_name(name, expected):
     cfg = get_preset(name)
     assert (cfg.k_bits, cfg.v_bits, cfg.group_size) == expected
@@ -25,10 +25,10 @@ def test_preset_by_name(name, expected):
     assert cfg.scale_dtype == "float16"
 
 
-def test_preset_table_is_the_spec_table():
-    # The spec's presets, unchanged, every width pair at G=128 with K at least as
+def test_preset_table_is_the_paper_table():
+    # The paper's presets, unchanged, every width pair at G=128 with K at least as
     # wide as V, and the "auto" family (key rotation per head).
-    assert set(SPEC_PRESETS) <= set(PRESETS)
+    assert set(PAPER_PRESETS) <= set(PRESETS)
     pairs = {(c.k_bits, c.v_bits) for n, c in PRESETS.items() if n.endswith("_g128")}
     assert pairs == {(kb, vb) for kb in (2, 3, 4, 5, 6, 8) for vb in (2, 3, 4, 5, 6, 8) if vb <= kb}
     assert set(PRESETS) == {f"k{kb}v{vb}_g128" for kb, vb in pairs} | {"k4v2_g64", "auto2", "auto4v2"}
@@ -80,7 +80,7 @@ def test_unknown_preset_lists_valid_names():
         get_preset("k1v1_g128")
     msg = str(e.value)
     assert "k1v1_g128" in msg
-    for name in SPEC_PRESETS:
+    for name in PAPER_PRESETS:
         assert name in msg
 
 
@@ -105,7 +105,7 @@ def test_bad_settings_raise(kwargs, needle):
         get_preset("k4v2_g128", **kwargs)
 
 
-def test_supported_values_match_spec():
+def test_supported_values_match_the_paper():
     assert set(config.SUPPORTED_BITS) == {2, 3, 4, 5, 6, 8}
     assert set(config.SUPPORTED_GROUP_SIZES) == {64, 128}
     assert "float16" in config.SCALE_DTYPES

@@ -1,4 +1,5 @@
-"""MLX ops path (kvarn_mlx.quant) against the numpy reference, KVARN_SPEC.md sections 1-4 and 7.
+"""MLX ops path (kvarn_mlx.quant) against the numpy reference (docs/algorithm.md: Rotation,
+Variance normalization, Rounding and packing, Absorbed scales).
 
 Codes may differ from the reference only where a value sits within float
 rounding of a rounding tie; those are counted and bounded. The normalization's
@@ -102,7 +103,7 @@ def check_call(x, bits, kind, rotated=True, fn=None):
 # Tiles ---------------------------------------------------------------------------
 
 def adversarial(rng, G, D):
-    """Tiles [G, D] (tokens x channels), stacked: the cases the spec and issue name."""
+    """Tiles [G, D] (tokens x channels), stacked: the edge cases quantization must handle."""
     normal = lambda: rng.standard_normal((G, D)).astype(np.float32)
     x = normal()
     ch = rng.choice(D, 3, replace=False)
