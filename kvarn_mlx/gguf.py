@@ -90,7 +90,7 @@ def read(path):
     try:
         return _read_with_gguf(gguf, path)
     except Exception as e:
-        raise ValueError(f"could not read GGUF file {path}: {e}") from e
+        raise ValueError(f"could not read GGUF file {path}: {e} (mx.load: {mlx_error})") from e
 
 
 def _read_with_gguf(gguf, path):
@@ -176,7 +176,7 @@ def gemma3_config(metadata, tied):
         # local rope base 1e4, one global layer in six, and 1/sqrt(head_dim)
         # attention scale (hidden/heads for the 62-layer 27B).
         "rope_local_base_freq": 10000.0,
-        "sliding_window_pattern": metadata.get("gemma3.attention.sliding_window_pattern", 6),
+        "sliding_window_pattern": 6,
         "hidden_activation": "gelu_pytorch_tanh",
     }
     if config["num_hidden_layers"] == 62:

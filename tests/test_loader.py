@@ -359,6 +359,10 @@ def test_gemma3_config_hard_coded_values():
     assert (c["rope_theta"], c["rope_local_base_freq"]) == (1e6, 1e4)
     assert (c["sliding_window"], c["sliding_window_pattern"]) == (512, 6)
     assert "rope_scaling" not in c
+    # llama.cpp's one exception: the 62-layer 27B scales by hidden / heads.
+    big = {"gemma3.block_count": 62, "gemma3.embedding_length": 5376, "gemma3.attention.head_count": 32,
+           "gemma3.attention.head_count_kv": 16, "gemma3.attention.key_length": 128}
+    assert gguf.model_config({**meta, **big}, tied=True)["query_pre_attn_scalar"] == 168
     scaled = gguf.model_config(
         {**meta, "gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0}, tied=True
     )
