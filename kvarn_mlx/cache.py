@@ -33,8 +33,7 @@ def _warn_once(msg):
 
 BYPASSED = ("KVarN: the model attends without reading the packed tiles (it calls mx.fast.scaled_dot_product_attention "
             "itself, or attends on keys and values it derives from the cache's, as latent attention does); it gets "
-            "keys and values dequantized from the tiles at every step: correct, but slower, and they take memory "
-            "while the step runs")
+            "keys and values dequantized from the tiles, correct but materialized at every step")
 
 
 def cannot_hold(config, k_dim, v_dim):
