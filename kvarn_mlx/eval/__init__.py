@@ -6,6 +6,7 @@
     fidelity.py      teacher-forced logits vs the plain cache, per context length
     accumulation.py  attention-output error by position, accumulated vs static
     decode.py        greedy decoding: first divergence, per-step KL
+    longgen.py       long greedy generation from questions: KL, agreement, first divergence
     retrieval.py     passkey / multi-key needle retrieval by depth and context length
     __main__.py      the command line
 """

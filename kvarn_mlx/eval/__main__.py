@@ -8,6 +8,8 @@ Subcommands
                 "accumulated" (chunked prefill) next to "static" (one-shot).
   decode        greedy decoding: steps until the first token that differs from the
                 full-precision run, and per-step KL on the full-precision trajectory.
+  longgen       thousands of greedy tokens from reasoning-style questions: per-step
+                KL on the plain cache's trajectory, top-1 agreement, first divergence.
   retrieval     passkey and multi-key needle-in-a-haystack: accuracy by needle
                 depth and context length, with 95% intervals and heat maps.
 
@@ -22,10 +24,10 @@ mlx-lm's quantized attention for mlxqB).
 import argparse
 import sys
 
-from . import accumulation, decode, fidelity, methods, retrieval
+from . import accumulation, decode, fidelity, longgen, methods, retrieval
 from .runner import ATTENTION_MODES, meta_markdown, metadata, write_results
 
-EXPERIMENTS = {m.NAME: m for m in (fidelity, accumulation, decode, retrieval)}
+EXPERIMENTS = {m.NAME: m for m in (fidelity, accumulation, decode, longgen, retrieval)}
 
 
 def setup_arg_parser():

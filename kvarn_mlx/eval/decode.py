@@ -40,7 +40,7 @@ def decode(model, tokenizer, methods, prompt_len=384, steps=256, source="license
         traj, ref_lp = _greedy(model, ids, mlx_cache.make_prompt_cache(model), steps, chunk, f"{tag}fp")
         for name in methods:
             caches = for_model(make_caches(model, name), attention_mode)
-            kls, first_div = _forced(model, ids, caches, traj, ref_lp, chunk, f"{tag}{name}")
+            kls, first_div, _ = _forced(model, ids, caches, traj, ref_lp, chunk, f"{tag}{name}")
             res["methods"][name]["kl_per_prompt"].append(np.array(kls))
             res["methods"][name]["first_divergence"].append(first_div)
     for r in res["methods"].values():
@@ -72,8 +72,10 @@ def _greedy(model, ids, caches, steps, chunk, label):
 
 
 def _forced(model, ids, caches, traj, ref_lp, chunk, label):
+    """Per step of the trajectory: KL to ref_lp and whether the greedy token is the trajectory's;
+    returns (KLs, first step that differs or None, agreements)."""
     y = _prefill_last(model, ids, caches, chunk, label)
-    kls, first_div = [], None
+    kls, first_div, agree = [], None, []
     bar = Progress(len(traj), f"{label} decode")
     for i, t in enumerate(traj):
         lp = log_softmax(y)
@@ -81,12 +83,13 @@ def _forced(model, ids, caches, traj, ref_lp, chunk, label):
         top = mx.argmax(lp)
         mx.eval(kl, top)
         kls.append(max(float(kl.item()), 0.0))
-        if first_div is None and int(top.item()) != t:
+        agree.append(int(top.item()) == t)
+        if first_div is None and not agree[-1]:
             first_div = i
         # Teacher-forced on the fp trajectory: identical to free-running up to the first divergence.
         y = model(mx.array([[t]]), cache=caches)[0, -1]
         bar.step()
-    return kls, first_div
+    return kls, first_div, agree
 
 
 def markdown(res, meta_md):

@@ -1,0 +1,163 @@
+"""Long generation: thousands of greedy tokens from reasoning-style questions.
+
+Per prompt, the plain cache generates --steps tokens greedily (free-running);
+each method then reads the same tokens (teacher-forced on that trajectory),
+which gives its KL to the plain cache at every step and the first step where
+its own greedy token differs: up to that step, its free-running output is the
+plain cache's, token for token. The end-of-sequence tokens are masked out for
+every cache alike, so each answer runs the whole length, as a long chain of
+reasoning would (a small model may start repeating itself: the trajectory is
+what the plain cache generates, whatever it is). The decode experiment's
+machinery (decode.py), on chat prompts instead of pieces of a text.
+"""
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as mlx_cache
+
+from .decode import _forced, _greedy
+from .methods import make_caches, method_bits
+from .runner import for_model, pyplot
+
+NAME = "longgen"
+HELP = "long greedy generation: per-step KL on the plain cache's trajectory, first divergence"
+
+QUESTIONS = (
+    "A train leaves a station at 9:40 and travels 210 km at 84 km/h. Then it waits 25 minutes and travels "
+    "another 150 km at 100 km/h. At what time does it arrive? Think step by step and check your work.",
+    "Alice is older than Bob. Carol is younger than Bob but older than Dave. Erin is older than Alice. "
+    "List the five people from oldest to youngest, explaining every step of your reasoning.",
+    "Explain step by step how to find all prime numbers below 100 with the sieve of Eratosthenes, then "
+    "list them and count them.",
+    "A shop sells pencils at 3 for 2 dollars and notebooks at 5 dollars each. Sam buys 12 pencils and "
+    "4 notebooks and pays with a 50 dollar bill. How much change does he get? Reason carefully.",
+    "Plan a week of study to learn the basics of Python programming. For each day, explain what to learn, "
+    "why, and how to practice it, and justify the order.",
+    "Why do we have seasons on Earth? Explain the reasoning in detail, correct two common misconceptions, "
+    "and describe what would change if the Earth's axis were not tilted.",
+    "Write a detailed proof that the square root of 2 is irrational, explaining each step, and then explain "
+    "why the same argument fails for the square root of 4.",
+    "You have 8 coins, one of which is heavier, and a balance scale. Explain, step by step, how to find the "
+    "heavy coin in two weighings, and why one weighing is not enough.",
+)
+WINDOWS = (0, 256, 512, 1024, 2048, 4096)
+
+
+def add_arguments(p):
+    p.add_argument("--methods", default="k2v2_g128,k4v2_g128,k4v4_g128,k8v8_g128,mlxq4,mlxq8")
+    p.add_argument("--steps", type=int, default=2048, help="generated tokens per prompt")
+    p.add_argument("--prompts", type=int, default=4, help=f"questions (the first N of {len(QUESTIONS)})")
+    p.add_argument("--chunk", type=int, default=2048, help="prompt tokens per prefill step")
+
+
+def run(args, model, tokenizer, methods, meta_md):
+    """(result for the json, markdown, plot drawer) of one CLI run."""
+    if not 1 <= args.prompts <= len(QUESTIONS):
+        raise ValueError(f"--prompts {args.prompts}: use 1 to {len(QUESTIONS)}")
+    res = longgen(model, tokenizer, methods, args.steps, args.prompts, args.chunk, args.attention)
+    return res, markdown(res, meta_md), lambda folder: plots(res, folder)
+
+
+class NoEOS:
+    """The model with its end-of-sequence logits pushed far down (float32 and finite, so KL stays defined)."""
+
+    def __init__(self, model, eos_ids):
+        self.model, self.eos, self.drop = model, sorted(eos_ids), None
+
+    def __call__(self, x, cache=None):
+        logits = self.model(x, cache=cache).astype(mx.float32)
+        if self.drop is None:
+            drop = np.zeros(logits.shape[-1], np.float32)
+            drop[self.eos] = -1e9
+            self.drop = mx.array(drop)
+        return logits + self.drop
+
+
+def prompt_ids(tokenizer, question):
+    if getattr(tokenizer, "has_chat_template", False):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True))
+    return tokenizer.encode(question)
+
+
+def longgen(model, tokenizer, methods, steps=2048, prompts=4, chunk=2048, attention_mode="dequant"):
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.add(tokenizer.eos_token_id)
+    run_model = NoEOS(model, eos)
+    res = {"steps": steps, "prompts": [], "chunk": chunk, "eos_masked": sorted(eos),
+           "methods": {m: {"kl_per_prompt": [], "first_divergence": [], "agreement": []} for m in methods}}
+    for j, question in enumerate(QUESTIONS[:prompts]):
+        ids = prompt_ids(tokenizer, question)
+        traj, ref_lp = _greedy(run_model, ids, mlx_cache.make_prompt_cache(model), steps, chunk, f"p{j} fp")
+        res["prompts"].append({"question": question, "prompt_tokens": len(ids),
+                               "fp_text_start": tokenizer.decode(traj[:200]), "fp_text_end": tokenizer.decode(traj[-100:]),
+                               "fp_distinct_tokens_last_512": len(set(traj[-512:]))})
+        for name in methods:
+            caches = for_model(make_caches(model, name), attention_mode)
+            kls, first_div, agree = _forced(run_model, ids, caches, traj, ref_lp, chunk, f"p{j} {name}")
+            r = res["methods"][name]
+            r["kl_per_prompt"].append(np.array(kls))
+            r["first_divergence"].append(first_div)
+            r["agreement"].append(float(np.mean(agree)))
+        del ref_lp
+    for r in res["methods"].values():
+        r["kl"] = np.mean(r["kl_per_prompt"], axis=0)
+        r["first_divergence_median"] = float(np.median([steps if d is None else d for d in r["first_divergence"]]))
+    return res
+
+
+def windows(steps):
+    edges = [w for w in WINDOWS if w < steps] + [steps]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def markdown(res, meta_md):
+    steps, P = res["steps"], len(res["prompts"])
+    wins = windows(steps)
+    out = [f"# Long generation ({steps} greedy tokens per prompt)\n", meta_md,
+           f"\n{P} reasoning-style questions through the chat template (prompt tokens: "
+           f"{', '.join(str(p['prompt_tokens']) for p in res['prompts'])}); the plain cache generates {steps} tokens "
+           "greedily, end-of-sequence masked out (for every cache alike) so each answer runs the whole length. Each "
+           "method reads the same tokens (teacher-forced): KL to the plain cache per step, averaged over prompts; "
+           "top-1 agreement = share of steps whose greedy token equals the plain cache's; first divergence = the "
+           "first step whose greedy token differs (the method's free-running output equals the plain cache's up to "
+           "it; 'none' = never within the steps). With sink 128 and 128-token tiles, generated tokens are quantized "
+           "once the tail fills.\n",
+           "| method | K/V bits | first divergence per prompt | median | top-1 agreement | KL mean | KL p99 | "
+           + " | ".join(f"KL steps {a}-{b}" for a, b in wins) + " |",
+           "|---|---|---|---|---|---|---|" + "---|" * len(wins)]
+    for name, r in res["methods"].items():
+        kl = np.asarray(r["kl"])
+        fd = ", ".join("none" if d is None else str(d) for d in r["first_divergence"])
+        out.append(f"| {name} | {method_bits(name)} | {fd} | {r['first_divergence_median']:.0f} | "
+                   f"{np.mean(r['agreement']):.3f} | {kl.mean():.4f} | {np.percentile(kl, 99):.3f} | "
+                   + " | ".join(f"{kl[a:b].mean():.4f}" for a, b in wins) + " |")
+    out.append("\nThe plain cache's answers (first 200 and last 100 tokens; distinct tokens among the last 512 "
+               "show whether it loops):\n")
+    for p in res["prompts"]:
+        start = p["fp_text_start"].replace("\n", " ")
+        end = p["fp_text_end"].replace("\n", " ")
+        out.append(f"- **{p['question']}**  \n  start: {start!r}  \n  end: {end!r}  \n"
+                   f"  distinct tokens in the last 512: {p['fp_distinct_tokens_last_512']}")
+    return "\n".join(out) + "\n"
+
+
+def plots(res, outdir, smooth=64):
+    plt = pyplot()
+    if plt is None:
+        return []
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    k = np.ones(smooth) / smooth
+    for name, r in res["methods"].items():
+        y = np.convolve(r["kl"], k, mode="valid")
+        ax.plot(smooth // 2 + np.arange(len(y)), np.maximum(y, 1e-7),
+                label=f"{name} (agreement {np.mean(r['agreement']):.2f}, first divergence median "
+                      f"{r['first_divergence_median']:.0f})")
+    ax.set(xlabel="generated token", ylabel=f"KL to the plain cache (nats, {smooth}-step mean)", yscale="log",
+           title=f"long generation, teacher-forced on the plain cache's tokens ({len(res['prompts'])} prompts)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    f = outdir / "longgen_kl.png"
+    fig.savefig(f, dpi=110)
+    plt.close(fig)
+    return [f]
