@@ -4,13 +4,17 @@ machine's state), plus the per-tile quantization overhead as a fraction of
 decode time.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
-        python benchmarks/decode_speed.py --contexts 1024,4096,16384
+        python benchmarks/decode_speed.py --contexts 1024,4096,16384,32768
+    python benchmarks/decode_speed.py --quick --out /tmp/ds   # tiny contexts (CI)
 
 Caches are filled with random K/V to the context length instead of a real
 prefill (decode cost does not depend on the values; a 16K prefill takes many
 minutes on CPU), then the model decodes --steps tokens through its real
 attention path: packed attention for KVarN, mlx-lm's quantized attention for
-QuantizedKVCache. CPU caveat: MLX's CPU quantized matmul is slow (about 1.8
+QuantizedKVCache. The share of decode time spent quantizing tiles: one tile
+quantized in every layer through the cache's own path (dispatch.quantize, the
+Metal kernel where there is one), spread over the G decode steps that fill it,
+against the measured decode step. CPU caveat: MLX's CPU quantized matmul is slow (about 1.8
 GFLOP/s here) while float32 matmul runs on OpenBLAS, so these ratios say
 nothing about Apple silicon, where the quantized kernels are fast.
 """
@@ -19,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,20 +32,21 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvarn_mlx import quant  # noqa: E402
+from kvarn_mlx import dispatch, memory, quant  # noqa: E402
 from kvarn_mlx.cache import KVarNCache  # noqa: E402
 from kvarn_mlx.integration import make_cache  # noqa: E402
 from kvarn_mlx.config import get_preset  # noqa: E402
 from kvarn_mlx.eval.runner import Progress, meta_markdown, metadata, pyplot  # noqa: E402
 
-METHODS = ("fp", "mlxq4", "mlxq2", "k4v4_g128", "k4v2_g128", "k2v2_g128")
+METHODS = ("fp", "mlxq8", "mlxq4", "k8v8_g128", "k4v4_g128", "k4v2_g128", "k2v2_g128", "auto4v2")
+QUICK = dict(contexts="160,300", steps=2)
 
 
 def make(model, name):
     if name == "fp":
         return mlx_cache.make_prompt_cache(model)
     if name.startswith("mlxq"):
-        return [QuantizedKVCache(group_size=64, bits=int(name[-1])) for _ in model.layers]
+        return [QuantizedKVCache(group_size=64, bits=int(name[4:])) for _ in model.layers]
     return make_cache(model, name)
 
 
@@ -59,16 +65,9 @@ def fill(caches, H, D, ctx, chunk=1024, seed=0):
 
 
 def held_bytes(caches):
-    total = 0
-    for c in caches:
-        if isinstance(c, KVarNCache):
-            b = c.nbytes_breakdown()
-            total += b["total"] - b["unused"]
-        elif isinstance(c, QuantizedKVCache):
-            total += sum(x.nbytes * c.offset // x.shape[2] for x in (*c.keys, *c.values))
-        elif isinstance(c, KVCache):
-            total += c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes
-    return total
+    """Bytes the caches hold for their tokens (measured arrays, preallocated room left out)."""
+    b = memory.cache_bytes(caches)
+    return b["held"] - b["unused"]
 
 
 def decode_rates(model, all_caches, steps, warmup=2):
@@ -87,22 +86,22 @@ def decode_rates(model, all_caches, steps, warmup=2):
     return [float(np.median(t)) for t in times]
 
 
-def tile_overhead(n_layers, H, D, G, cfg, reps=5):
-    """Seconds to quantize one tile in every layer (what decode pays every G tokens)."""
-    x = mx.random.normal((1, H, 1, G, D))
+def tile_overhead(n_layers, H, D, cfg, reps=5):
+    """Seconds to quantize one tile in every layer through the cache's path (what decode
+    pays every G tokens), and the same without normalization iterations."""
+    x = mx.random.normal((1, H, 1, cfg.group_size, D))
     mx.eval(x)
+    rotate = quant.can_rotate(D)
 
-    def once(iters):
+    def once(c):
         t0 = time.perf_counter()
         for _ in range(n_layers):
-            k = quant.quantize_keys(x, cfg.k_bits, iters, True, cfg.scale_dtype)
-            v = quant.quantize_values(x, cfg.v_bits, iters, True, cfg.scale_dtype)
-            mx.eval(k, v)
+            mx.eval(dispatch.quantize(x, x, c, bool(c.rotate_keys) and rotate, c.rotate_values and rotate).arrays())
         return time.perf_counter() - t0
 
-    once(cfg.iters)
-    full = float(np.median([once(cfg.iters) for _ in range(reps)]))
-    no_norm = float(np.median([once(0) for _ in range(reps)]))
+    once(cfg)
+    full = float(np.median([once(cfg) for _ in range(reps)]))
+    no_norm = float(np.median([once(replace(cfg, iters=0)) for _ in range(reps)]))
     return full, no_norm
 
 
@@ -123,9 +122,10 @@ def render(data):
         md.append(f"| {r['context']} | {r['method']} | {r['tokens_per_s']:.2f} | {r['speed_vs_fp']:.2f}x | "
                   f"{r['cache_bytes'] / 2**20:.1f} | {r['bytes_vs_fp']:.2f}x | {r['bytes_vs_fp'] / 2:.2f}x |")
     md += ["\n## Tile-quantization overhead\n",
-           "Time to quantize one tile (rotation + normalization + RTN + packing, K and V) in all layers, spread over "
-           "the G decode steps that fill it, as a fraction of the measured decode step time. The paper reports 0.18% "
-           "for the 8 normalization iterations on GPU.\n",
+           "Time to quantize one tile (rotation + normalization + RTN + packing, K and V) in all layers through the "
+           f"cache's own path (dispatch.quantize: {data.get('quantize_path', 'MLX ops')}), spread over the G decode "
+           "steps that fill it, as a fraction of the measured decode step time at that context. The paper reports "
+           "0.18% for the 8 normalization iterations on GPU.\n",
            "| method | context | one tile, all layers (s) | same, iters=0 (s) | fraction of decode | normalization alone |",
            "|---|---|---|---|---|---|"]
     for o in data["overhead"]:
@@ -134,15 +134,18 @@ def render(data):
     return "\n".join(md) + "\n"
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
-    p.add_argument("--contexts", default="1024,4096,16384")
+    p.add_argument("--contexts", default="1024,4096,16384,32768")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--quick", action="store_true", help=f"tiny run for CI: {QUICK}")
     p.add_argument("--render", default=None, help="only rewrite the markdown from this json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.quick:
+        args.contexts, args.steps = QUICK["contexts"], QUICK["steps"]
     if args.render:
         data = json.loads(Path(args.render).read_text())
         data.setdefault("steps", 8)
@@ -182,7 +185,7 @@ def main():
         if m == "fp" or m.startswith("mlxq"):
             continue
         cfg = get_preset(m)
-        full, no_norm = tile_overhead(len(model.layers), H, D, cfg.group_size, cfg)
+        full, no_norm = tile_overhead(len(model.layers), H, D, cfg)
         for r in rows:
             if r["method"] == m:
                 per_tok = full / cfg.group_size
@@ -191,10 +194,12 @@ def main():
                                  "fraction_of_decode": per_tok / r["s_per_token"],
                                  "normalization_fraction": (full - no_norm) / cfg.group_size / r["s_per_token"]})
 
-    meta = metadata(name, "python benchmarks/decode_speed.py " + " ".join(sys.argv[1:]))
+    meta = metadata(name, "python benchmarks/decode_speed.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    path = "Metal kernel" + (" (MSL emulator)" if dispatch.emulated() else "") if dispatch.use_metal() else "MLX ops"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    md = render({"meta": meta, "rows": rows, "overhead": overhead, "steps": args.steps}).split("\n")
+    md = render({"meta": meta, "rows": rows, "overhead": overhead, "steps": args.steps,
+                 "quantize_path": path}).split("\n")
     plt = pyplot()
     plots = []
     if plt is not None:
@@ -213,7 +218,8 @@ def main():
         md.append("\n![decode_speed.png](decode_speed.png)")
     text = "\n".join(md) + "\n"
     (out / "decode_speed.md").write_text(text)
-    (out / "decode_speed.json").write_text(json.dumps({"meta": meta, "rows": rows, "overhead": overhead, "plots": plots, "steps": args.steps}, indent=1))
+    (out / "decode_speed.json").write_text(json.dumps({"meta": meta, "rows": rows, "overhead": overhead, "plots": plots,
+                                                       "steps": args.steps, "quantize_path": path}, indent=1))
     print(text)
 
 
