@@ -320,21 +320,11 @@ def context_tokens(cache):
     return max((int(getattr(c, "offset", 0)) for c in cache), default=0)
 
 
-def kv_dtype(cache):
-    """The dtype the cache keeps full-precision keys in (the model's), or None while empty."""
-    for c in cache:
-        for name in ("sink_k", "keys"):
-            x = getattr(c, name, None)
-            if isinstance(x, mx.array):
-                return x.dtype
-    return None
-
-
 def print_stats(name, last, cache, out=None):
     """The stats block; returns memory.cache_bytes(cache)."""
     out = out or sys.stdout
     s = memory.cache_bytes(cache)
-    dtype = kv_dtype(cache)
+    dtype = memory.kv_dtype(cache)
     dtype_name = str(dtype).removeprefix("mlx.core.") if dtype is not None else "?"
     kvarn = [c for c in cache if isinstance(c, KVarNCache)]
     print("=" * 10, file=out)

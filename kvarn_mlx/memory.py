@@ -120,3 +120,13 @@ def saving_starts_at(config, head_dim: int, dtype_bytes: int) -> int:
             return start
         if n % 64 == 0:
             mx.eval(cache.held_arrays())  # keeps the graph short
+
+
+def kv_dtype(cache):
+    """The dtype the cache keeps full-precision keys in (the model's), or None while empty."""
+    for c in cache:
+        for name in ("sink_k", "keys"):
+            x = getattr(c, name, None)
+            if isinstance(x, mx.array):
+                return x.dtype
+    return None

@@ -41,16 +41,6 @@ def check_preset(preset):
     return preset
 
 
-def kv_dtype(cache):
-    """The dtype keys are held in at full precision (the model's), or None while the cache is empty."""
-    for c in cache:
-        for name in ("sink_k", "keys"):
-            x = getattr(c, name, None)
-            if isinstance(x, mx.array):
-                return x.dtype
-    return None
-
-
 def find_stop(text, stops, new_from):
     """Where the earliest stop string starts in text, looking only at matches
     that end in text[new_from:] (the rest was searched before); None if none."""
@@ -222,7 +212,7 @@ class Engine:
         first tile is quantized, saving_from says from which token KVarN saves."""
         m = self._point() if point else memory.cache_bytes(self.cache)
         kvarn = [c for c in self.cache if isinstance(c, KVarNCache) and not c.empty()]
-        dtype = kv_dtype(self.cache)
+        dtype = memory.kv_dtype(self.cache)
         saving_from = None
         if kvarn and dtype is not None:
             c = kvarn[0]
