@@ -43,10 +43,11 @@ def test_plain_cache_against_itself_is_exact(tiny):
     assert np.all(np.asarray(r["kl"]) == 0)
 
 
-def test_cli_end_to_end(tiny, tmp_path):
+def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
     model, tok = tiny
-    main(["--out", str(tmp_path), "--tag", "t", "longgen", "--methods", "k2v2_g128,mlxq4", "--steps", "300",
-          "--prompts", "2", "--chunk", "64"], model=model, tokenizer=tok, model_name="tiny")
+    argv = ["--out", str(tmp_path), "--tag", "t", "longgen", "--methods", "k2v2_g128,mlxq4", "--steps", "300",
+            "--prompts", "2", "--chunk", "64", "--checkpoint", str(tmp_path / "ck.jsonl")]
+    first = main(argv, model=model, tokenizer=tok, model_name="tiny")
     saved = json.loads((tmp_path / "longgen_t.json").read_text())["result"]
     assert len(saved["prompts"]) == 2
     for name in ("k2v2_g128", "mlxq4"):
@@ -57,6 +58,10 @@ def test_cli_end_to_end(tiny, tmp_path):
     md = (tmp_path / "longgen_t.md").read_text()
     assert "| k2v2_g128 | 2/2 |" in md and "KL steps 256-300" in md
     assert (tmp_path / "longgen_kl_t.png").exists()
+    # A second run with the same settings takes both prompts from the checkpoint.
+    monkeypatch.setattr(longgen, "_one_prompt", lambda *a, **k: pytest.fail("ran a finished prompt again"))
+    again = main(argv, model=model, tokenizer=tok, model_name="tiny")
+    assert np.array_equal(again["methods"]["k2v2_g128"]["kl"], first["methods"]["k2v2_g128"]["kl"])
 
 
 def test_prompt_count_checked(tiny, tmp_path):

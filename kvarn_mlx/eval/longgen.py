@@ -11,6 +11,9 @@ what the plain cache generates, whatever it is). The decode experiment's
 machinery (decode.py), on chat prompts instead of pieces of a text.
 """
 
+import json
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
@@ -48,13 +51,15 @@ def add_arguments(p):
     p.add_argument("--steps", type=int, default=2048, help="generated tokens per prompt")
     p.add_argument("--prompts", type=int, default=4, help=f"questions (the first N of {len(QUESTIONS)})")
     p.add_argument("--chunk", type=int, default=2048, help="prompt tokens per prefill step")
+    p.add_argument("--checkpoint", default=None,
+                   help="jsonl of finished prompts: a run that stops resumes from it (default: none)")
 
 
 def run(args, model, tokenizer, methods, meta_md):
     """(result for the json, markdown, plot drawer) of one CLI run."""
     if not 1 <= args.prompts <= len(QUESTIONS):
         raise ValueError(f"--prompts {args.prompts}: use 1 to {len(QUESTIONS)}")
-    res = longgen(model, tokenizer, methods, args.steps, args.prompts, args.chunk, args.attention)
+    res = longgen(model, tokenizer, methods, args.steps, args.prompts, args.chunk, args.attention, args.checkpoint)
     return res, markdown(res, meta_md), lambda folder: plots(res, folder)
 
 
@@ -79,31 +84,50 @@ def prompt_ids(tokenizer, question):
     return tokenizer.encode(question)
 
 
-def longgen(model, tokenizer, methods, steps=2048, prompts=4, chunk=2048, attention_mode="dequant"):
+def longgen(model, tokenizer, methods, steps=2048, prompts=4, chunk=2048, attention_mode="dequant", checkpoint=None):
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(tokenizer.eos_token_id)
     run_model = NoEOS(model, eos)
+    settings = {"steps": steps, "chunk": chunk, "methods": methods, "attention": attention_mode}
+    done = {}
+    if checkpoint and Path(checkpoint).exists():
+        for line in Path(checkpoint).read_text().splitlines():
+            row = json.loads(line)
+            if row["settings"] == settings:
+                done[row["question"]] = row
     res = {"steps": steps, "prompts": [], "chunk": chunk, "eos_masked": sorted(eos),
            "methods": {m: {"kl_per_prompt": [], "first_divergence": [], "agreement": []} for m in methods}}
     for j, question in enumerate(QUESTIONS[:prompts]):
-        ids = prompt_ids(tokenizer, question)
-        traj, ref_lp = _greedy(run_model, ids, mlx_cache.make_prompt_cache(model), steps, chunk, f"p{j} fp")
-        res["prompts"].append({"question": question, "prompt_tokens": len(ids),
-                               "fp_text_start": tokenizer.decode(traj[:200]), "fp_text_end": tokenizer.decode(traj[-100:]),
-                               "fp_distinct_tokens_last_512": len(set(traj[-512:]))})
+        row = done.get(question) or _one_prompt(run_model, model, tokenizer, question, methods, steps, chunk,
+                                                attention_mode, f"p{j}")
+        if checkpoint and question not in done:
+            with open(checkpoint, "a") as f:
+                f.write(json.dumps({"settings": settings, **row}) + "\n")
+        res["prompts"].append(row["prompt"])
         for name in methods:
-            caches = for_model(make_caches(model, name), attention_mode)
-            kls, first_div, agree = _forced(run_model, ids, caches, traj, ref_lp, chunk, f"p{j} {name}")
-            r = res["methods"][name]
-            r["kl_per_prompt"].append(np.array(kls))
-            r["first_divergence"].append(first_div)
-            r["agreement"].append(float(np.mean(agree)))
-        del ref_lp
+            r, m = res["methods"][name], row["methods"][name]
+            r["kl_per_prompt"].append(np.array(m["kl"]))
+            r["first_divergence"].append(m["first_divergence"])
+            r["agreement"].append(m["agreement"])
     for r in res["methods"].values():
         r["kl"] = np.mean(r["kl_per_prompt"], axis=0)
         r["first_divergence_median"] = float(np.median([steps if d is None else d for d in r["first_divergence"]]))
     return res
+
+
+def _one_prompt(run_model, model, tokenizer, question, methods, steps, chunk, attention_mode, label):
+    """The plain cache's trajectory for one question, then every method teacher-forced on it."""
+    ids = prompt_ids(tokenizer, question)
+    traj, ref_lp = _greedy(run_model, ids, mlx_cache.make_prompt_cache(model), steps, chunk, f"{label} fp")
+    row = {"question": question, "methods": {},
+           "prompt": {"question": question, "prompt_tokens": len(ids), "fp_text_start": tokenizer.decode(traj[:200]),
+                      "fp_text_end": tokenizer.decode(traj[-100:]), "fp_distinct_tokens_last_512": len(set(traj[-512:]))}}
+    for name in methods:
+        caches = for_model(make_caches(model, name), attention_mode)
+        kls, first_div, agree = _forced(run_model, ids, caches, traj, ref_lp, chunk, f"{label} {name}")
+        row["methods"][name] = {"kl": kls, "first_divergence": first_div, "agreement": float(np.mean(agree))}
+    return row
 
 
 def windows(steps):
