@@ -85,10 +85,10 @@ class KVBudget:
         """The most a step of L tokens could add, all layers."""
         return sum(step_allocation(m, L) for m in self.models)
 
-    def check(self, L):
-        """Raise BudgetExceeded if the bytes held plus what a step of L tokens
+    def check(self, *steps):
+        """Raise BudgetExceeded if the bytes held plus what steps of these token counts
         could add exceed the budget."""
-        held, more = self.held(), self.allocation(L)
+        held, more, L = self.held(), sum(self.allocation(n) for n in steps), sum(steps)
         if held + more > self.max_bytes:
             tokens = max((int(getattr(c, "offset", 0)) for c in self.cache), default=0)
             raise BudgetExceeded(

@@ -62,7 +62,7 @@ def setup_arg_parser():
     p.add_argument("--max-kv-bytes", default=None, metavar="SIZE",
                    help="Stop before the KV cache could hold more than SIZE (e.g. 2GB, 512MiB; K/M/G are "
                         "powers of 1024), checked before every prompt chunk and every token; with --compare, "
-                        "for each cache")
+                        "for each cache; a --draft-model's own cache is not counted")
     p.add_argument("--draft-model", default=None,
                    help="A smaller model with the same tokenizer drafting tokens for speculative decoding")
     p.add_argument("--num-draft-tokens", type=int, default=3, help="Tokens the draft model proposes per step")
@@ -242,13 +242,17 @@ def kv_budget(model, cache, args):
     return budget.KVBudget(model, cache, budget.parse_size(args.max_kv_bytes), args.prefill_step_size)
 
 
-def check_prefill_budget(kv, done, total, step_size):
+def check_prefill_budget(kv, done, total, step_size, whole=False):
     """Before the next prompt chunk (mlx-lm's generate_step: chunks of step_size while
     more than one token remains, then the last prompt token and the first generated
-    token as two one-token steps, which add no more than one two-token step)."""
+    token as two one-token steps, which add no more than one two-token step); with
+    whole, before every chunk left of the prompt, as if none could be checked on the way."""
     left = total - done
     try:
-        if left > 1:
+        if whole:
+            full, rest = divmod(left, step_size)
+            kv.check(*[step_size] * full, *([rest] if rest else []), 2)
+        elif left > 1:
             kv.check(min(step_size, left - 1))
         else:
             kv.check(2)
@@ -277,10 +281,13 @@ def run(model, tokenizer, prompt_ids, cache, args, max_tokens=None, ctrl_c=None,
             print(f"\rprefill {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
     text, last = "", None
-    speculative = {}
+    speculative, step = {}, 1
     if draft is not None:
         speculative = dict(draft_model=draft, num_draft_tokens=args.num_draft_tokens)
         cache = cache + make_prompt_cache(draft)
+        step = args.num_draft_tokens + 1  # a verification step: the drafts and one more
+        if kv is not None:  # mlx-lm's speculative decoding reports no prompt progress: the whole prompt now
+            check_prefill_budget(kv, 0, len(prompt_ids), args.prefill_step_size, whole=True)
     stream = stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler,
                              prompt_cache=cache, prefill_step_size=args.prefill_step_size,
                              prompt_progress_callback=progress, **speculative)
@@ -292,10 +299,11 @@ def run(model, tokenizer, prompt_ids, cache, args, max_tokens=None, ctrl_c=None,
                 print(r.text, end="", flush=True, file=out)
             if ctrl_c is not None and ctrl_c.pressed:
                 break
-            # The cache already holds this token: the next step adds the one after it.
+            # The cache already holds this token: the next step adds the one after it
+            # (or a verification step's tokens).
             if kv is not None and r.generation_tokens < max_tokens and r.finish_reason is None:
                 try:
-                    kv.check(1)
+                    kv.check(step)
                 except budget.BudgetExceeded as e:
                     if args.verbose:
                         print(file=out)

@@ -126,3 +126,14 @@ def test_bad_size_fails_before_loading(monkeypatch):
     monkeypatch.setattr("kvarn_mlx.loader.load", lambda *a, **k: pytest.fail("loaded the model"))
     with pytest.raises(SystemExit, match="--max-kv-bytes: cannot read 'lots' as a size"):
         generate.main(["--max-kv-bytes", "lots"])
+
+
+def test_speculative_decoding_stops_before_the_budget(tiny, capsys):
+    # Verification steps add --num-draft-tokens + 1 tokens; the prompt is checked whole
+    # (mlx-lm's speculative decoding reports no prompt progress).
+    generate.main(["--model", str(tiny), *PROMPT, "--max-tokens", "3000", "--kv-preset", "k4v2_g128",
+                   "--max-kv-bytes", "300KiB", "--draft-model", str(tiny), "--num-draft-tokens", "3"])
+    n, held, more, limit = stop_line(capsys.readouterr().err)
+    assert 0 < n < 3000 and held <= limit < held + more
+    with pytest.raises(SystemExit, match="the 101-token prompt does not fit; after 0 prompt tokens"):
+        generate.main(["--model", str(tiny), *PROMPT, "--max-kv-bytes", "100KiB", "--draft-model", str(tiny)])
