@@ -87,24 +87,36 @@ def _std(x, axis):
 
 
 def imbalance(X):
-    col, row = _std(X, -2), _std(X, -1)
+    return _imbalance(_std(X, -2), _std(X, -1))
+
+
+def _imbalance(col, row):
+    """From a tile's column and row stds: max/min of each, summed."""
     col_term = col.max(axis=(-2, -1), keepdims=True) / mx.maximum(col.min(axis=(-2, -1), keepdims=True), 1e-8)
     row_term = row.max(axis=(-2, -1), keepdims=True) / mx.maximum(row.min(axis=(-2, -1), keepdims=True), 1e-8)
     return col_term + row_term
 
 
 def normalize(M, iters=8):
-    """Dual variance scaling of tiles M [..., R, C] (float32); returns (balanced, sc, sr)."""
+    """Dual variance scaling of tiles M [..., R, C] (float32); returns (balanced, sc, sr).
+
+    The loop of docs/algorithm.md, "Variance normalization". Each std of the
+    iterate M / exp(log_c) / exp(log_r) along one axis is taken as
+    std(M / exp(the other factor)) / exp(this axis's factor), which is constant
+    along that axis: one pass over M per std, where dividing by both factors
+    costs two. An iterate's column stds are the next column update's, and its
+    row stds come from the row update's, so the imbalance costs no pass."""
     log_c = mx.zeros((*M.shape[:-2], 1, M.shape[-1]), mx.float32)
     log_r = mx.zeros((*M.shape[:-1], 1), mx.float32)
-    best, sc_best, sr_best = imbalance(M), mx.ones_like(log_c), mx.ones_like(log_r)
+    col, row = _std(M, -2), _std(M, -1)  # of the current iterate
+    best, sc_best, sr_best = _imbalance(col, row), mx.ones_like(log_c), mx.ones_like(log_r)
     for _ in range(iters):
-        cur = M / mx.exp(log_c) / mx.exp(log_r)
-        log_c = mx.clip(log_c + mx.log(mx.clip(_std(cur, -2), 1e-3, 1e3)), -0.3, 10)
-        cur = M / mx.exp(log_c) / mx.exp(log_r)
-        log_r = mx.clip(log_r + mx.log(mx.clip(_std(cur, -1), 1e-3, 1e3)), -0.3, 10)
-        cur = M / mx.exp(log_c) / mx.exp(log_r)
-        imb = imbalance(cur)
+        log_c = mx.clip(log_c + mx.log(mx.clip(col, 1e-3, 1e3)), -0.3, 10)
+        row_c = _std(M / mx.exp(log_c), -1)  # over exp(log_r): the iterate's row stds
+        log_r = mx.clip(log_r + mx.log(mx.clip(row_c / mx.exp(log_r), 1e-3, 1e3)), -0.3, 10)
+        row = row_c / mx.exp(log_r)
+        col = _std(M / mx.exp(log_r), -2) / mx.exp(log_c)
+        imb = _imbalance(col, row)
         better = imb <= best
         best = mx.where(better, imb, best)
         sc_best = mx.where(better, mx.exp(log_c), sc_best)
