@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from . import dispatch, fp8, kernels, quant
+from . import dispatch, fp8, kernels, prefill, quant
 from .tiles import StepView
 
 
@@ -25,13 +25,23 @@ def packed_attention(queries, cache, scale, mask=None, sinks=None):
         r = cache.decide_row  # a short step: the row after the tiles, as in one-token decoding
         q = queries if r is None else queries[:, :, r : r + 1]
         cache.decide_key_rotation((q.astype(mx.float32) * scale).reshape(B, H, -1, D))
-    return attend_view(queries, cache.step_view(), scale, mask, sinks)
+    view = cache.step_view()
+    out = attend_view(queries, view, scale, mask, sinks)
+    if cache.n_tiles > view.n_tiles:
+        # Tiles quantized in this step: evaluating the step's output (what every
+        # generation loop does) quantizes them now, not in a later step that reads them.
+        out = mx.depends(out, list(cache.tiles.arrays()))
+    return out
 
 
 def attend_view(queries, view: StepView, scale, mask=None, sinks=None):
-    """The Metal kernel where it runs and supports this step, else the MLX ops path."""
+    """Chunks of many queries (or no tile yet) through the dequantized buffer
+    (prefill.py); else the Metal kernel where it runs and supports this step,
+    else the MLX ops path."""
     if view.later is not None and mask == "causal":
         return _split_step(queries, view, scale, sinks)
+    if prefill.use_dequantized(queries, view):
+        return prefill.attend_dequantized(queries, view, scale, mask, sinks)
     plain_mask = mask is None or (isinstance(mask, str) and mask == "causal")
     if view.tiles is not None and sinks is None and plain_mask and dispatch.use_metal():
         reason = kernels.attention_unsupported(queries, view)

@@ -1,0 +1,103 @@
+"""Attention of a prefill chunk: the layer's tiles dequantized into one
+transient full-precision buffer, then mx.fast.scaled_dot_product_attention.
+
+A chunk of many query tokens does as much work per key as the plain cache's
+attention; reading the keys through the packed path (quantized matmuls, see
+attention.py) costs more than dequantizing them once. The buffer is sink +
+tiles + recent tokens in token order, in the model's dtype: one layer's
+context, referenced by nothing once the attention call is built, so MLX frees
+it when that layer's attention has run. The tiles are unrotated back to the
+model's space (docs/algorithm.md, "Rotation"): one D x D matmul per
+dequantized row, small next to the chunk's attention over it and cheaper than
+rotating the chunk's queries (GQA: more query rows than key rows), the sink and
+the recent tokens, and unrotating the output. The attention is
+the one the cache defines (one softmax over sink, tiles [0, n_tiles) and the
+recent tokens in full precision); only the order of float operations differs.
+
+Decode steps (few query tokens) keep the packed path: there, dequantizing
+every key costs as much as attending to it.
+"""
+
+import mlx.core as mx
+
+from . import fp8, quant
+from .tiles import StepView
+
+# Query tokens from which a step attends through the dequantized buffer, per
+# device type. Measured with `python benchmarks/kernels.py --chunks`: "cpu" on
+# Linux x86-64 (2 cores, OpenBLAS), where the dequantized path is faster from
+# a few query tokens on. "gpu": the Metal attention kernel serves up to 8
+# query tokens; longer chunks on Metal otherwise take the quantized-matmul
+# ops path, which materializes the scores, where the fused
+# scaled_dot_product_attention does not.
+MIN_QUERIES = {"cpu": 16, "gpu": 9}
+
+
+def use_dequantized(queries, view: StepView) -> bool:
+    """Whether this step attends through the dequantized buffer."""
+    if view.tiles is None or view.n_tiles == 0:
+        return True  # nothing to dequantize: one fused call over sink + recent tokens
+    return queries.shape[2] >= MIN_QUERIES.get(mx.default_device().type.name, MIN_QUERIES["gpu"])
+
+
+def dequantized(view: StepView, dtype=None):
+    """The view's keys and values in token order, [B, H, S + n_tiles*G + R, D],
+    in `dtype` (default: the sink's dtype)."""
+    dtype = view.sink_k.dtype if dtype is None else dtype
+    ks, vs = [view.sink_k], [view.sink_v]
+    if view.tiles is not None and view.n_tiles:
+        k, v = dequantize_tiles(view)
+        ks.append(k)
+        vs.append(v)
+    ks.append(view.recent_k)
+    vs.append(view.recent_v)
+    return (mx.concatenate([x.astype(dtype) for x in ks], axis=2),
+            mx.concatenate([x.astype(dtype) for x in vs], axis=2))
+
+
+def dequantize_tiles(view: StepView):
+    """Tiles [0, n_tiles) as unrotated float32 K, V [B, H, n_tiles*G, D]: the
+    codes through mx.dequantize, the absorbed per-token (K) / per-channel (V)
+    scales (docs/algorithm.md, "Absorbed scales"), the unrotation as one matmul.
+    The same values as Tiles.dequantize up to float rounding."""
+    t = view.tiles.valid(view.n_tiles)
+    ka, kb, kt, va, vb, vc = (fp8.to_float32(s) for s in (t.k_a, t.k_b, t.k_t, t.v_a, t.v_b, t.v_c))
+    B, H, n, D, G = *ka.shape, kt.shape[-1]
+    # K codes are packed along tokens: rows are channels, one group of G per row.
+    k = mx.dequantize(t.k_words, ka[..., None], kb[..., None], group_size=G, bits=view.k_bits)
+    k = mx.swapaxes(k, -1, -2).reshape(B, H, n * G, D)
+    k = _unrotate(k, view.rotate_k) * kt.reshape(B, H, n * G, 1)
+    v = _dequantize_value_codes(t.v_words, va, vb, view.v_bits, D) * vc[..., None, :]
+    return k, _unrotate(v.reshape(B, H, n * G, D), view.rotate_v)
+
+
+def _unrotate(x, flag):
+    """Rows of x [B, H, T, D] taken back from the rotated space (x -> x H^T) as a
+    matmul, for every kv head (flag True), none, or those of a per-head bool array."""
+    if not isinstance(flag, mx.array) and not flag:
+        return x
+    B, H, T, D = x.shape
+    eye = mx.eye(D, dtype=mx.float32)
+    m = quant.unrotate(eye)
+    if isinstance(flag, mx.array):
+        return x @ mx.where(flag.reshape(H, 1, 1), m, eye)
+    return (x.reshape(-1, D) @ m).reshape(B, H, T, D)
+
+
+def _dequantize_value_codes(words, a, b, bits, D):
+    """code * a + b of value tiles (float32 a, b [B, H, n, G]): [B, H, n, G, D] float32."""
+    gs = next((g for g in (128, 64, 32) if D % g == 0), None)
+    a, b = a[..., None], b[..., None]
+    if gs is None:  # no group size of mx.dequantize fits D (e.g. 80)
+        return quant.unpack(words, bits).astype(mx.float32) * a + b
+    # V codes are packed along channels: one (a, b) per token row, repeated over its D/gs groups.
+    rep = D // gs
+    return mx.dequantize(words, mx.repeat(a, rep, axis=-1), mx.repeat(b, rep, axis=-1), group_size=gs, bits=bits)
+
+
+def attend_dequantized(queries, view: StepView, scale, mask=None, sinks=None):
+    """queries [B, Hq, L, D] over the view through mx.fast.scaled_dot_product_attention
+    on its dequantized keys and values, in the queries' dtype; mask and sinks as
+    mlx-lm passes them ("causal", an array over all key positions, or None)."""
+    k, v = dequantized(view, queries.dtype)
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
