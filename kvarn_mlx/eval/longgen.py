@@ -9,6 +9,15 @@ every cache alike, so each answer runs the whole length, as a long chain of
 reasoning would (a small model may start repeating itself: the trajectory is
 what the plain cache generates, whatever it is). The decode experiment's
 machinery (decode.py), on chat prompts instead of pieces of a text.
+
+The plain cache generates one token per step. The methods read the trajectory
+in steps of many tokens, each ending where a KVarN tile completes (every 128
+tokens for other caches): a query then reads exactly what it reads in one-token
+decoding (tiles completed before its step quantized, the tokens after them in
+full precision; mlx-lm's QuantizedKVCache quantizes every token anyway), up to
+float rounding, at a fraction of the cost. The "auto" presets read one token per
+step: they choose each head's key rotation from the first tiles' contents, and
+float rounding between step shapes can flip a near tie there.
 """
 
 import json
@@ -18,9 +27,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from .decode import _forced, _greedy
+from ..cache import KVarNCache
+from .decode import _greedy, _prefill_last
 from .methods import make_caches, method_bits
-from .runner import for_model, pyplot
+from .runner import Progress, for_model, log_softmax, pyplot
 
 NAME = "longgen"
 HELP = "long greedy generation: per-step KL on the plain cache's trajectory, first divergence"
@@ -124,10 +134,56 @@ def _one_prompt(run_model, model, tokenizer, question, methods, steps, chunk, at
            "prompt": {"question": question, "prompt_tokens": len(ids), "fp_text_start": tokenizer.decode(traj[:200]),
                       "fp_text_end": tokenizer.decode(traj[-100:]), "fp_distinct_tokens_last_512": len(set(traj[-512:]))}}
     for name in methods:
-        caches = for_model(make_caches(model, name), attention_mode)
-        kls, first_div, agree = _forced(run_model, ids, caches, traj, ref_lp, chunk, f"{label} {name}")
+        caches = make_caches(model, name)
+        ends = step_ends(caches, len(ids), steps - 1)
+        kls, first_div, agree = forced_steps(run_model, ids, for_model(caches, attention_mode), ends, traj, ref_lp,
+                                             chunk, f"{label} {name}")
         row["methods"][name] = {"kl": kls, "first_divergence": first_div, "agreement": float(np.mean(agree))}
     return row
+
+
+def step_ends(caches, start, n, size=128):
+    """Where the teacher-forced steps over cache positions [start, start + n) end: for a
+    KVarN cache where a tile completes (sink + k tiles), so no query of a step comes after
+    a tile the step completed, or every token for an "auto" preset; for other caches every
+    `size` tokens."""
+    kv = next((c for c in caches if isinstance(c, KVarNCache)), None)
+    if kv is not None and kv.config.rotate_keys == "auto":  # a near tie may flip with the step's shape
+        return list(range(start + 1, start + n + 1))
+    if kv is None:
+        ends = range(start + size, start + n, size)
+    else:
+        S, G = kv.config.sink_size, kv.config.group_size
+        ends = [S + k * G for k in range(1, (start + n - S) // G + 1) if start < S + k * G < start + n]
+    return [*ends, start + n] if n else []
+
+
+def forced_steps(model, ids, caches, ends, traj, ref_lp, chunk, label):
+    """Teacher-forced on traj in steps ending at cache positions `ends`: per step of the
+    trajectory, the KL to ref_lp and whether the greedy token is the trajectory's;
+    returns (KLs, first step that differs or None, agreements)."""
+    P = len(ids)
+    y = _prefill_last(model, ids, caches, chunk, label)
+    kls, agree = [], []
+
+    def score(i, logits):  # logits [n, V] predicting traj[i : i + n]
+        lp = log_softmax(logits)
+        ref = mx.stack(ref_lp[i : i + lp.shape[0]])
+        kl = (mx.exp(ref) * (ref - lp)).sum(axis=-1)
+        same = mx.argmax(lp, axis=-1) == mx.array(traj[i : i + lp.shape[0]])
+        mx.eval(kl, same)
+        kls.extend(np.maximum(np.array(kl), 0.0).tolist())
+        agree.extend(np.array(same).tolist())
+
+    score(0, y[None])
+    bar = Progress(len(ends), f"{label} forced")
+    a = P
+    for e in ends:
+        score(a - P + 1, model(mx.array(traj[a - P : e - P])[None], cache=caches)[0])
+        a = e
+        bar.step()
+    first_div = next((i for i, ok in enumerate(agree) if not ok), None)
+    return kls, first_div, agree
 
 
 def windows(steps):
