@@ -114,21 +114,25 @@ def markdown(meta, args, rows):
         "'live' is the server's live_peak (GET /v1/kv_stats): the live requests' caches when they held the "
         "most tokens (measured after a batch step at most once a second): bytes of the arrays held. 'plain' is what mlx-lm's KVCache holds for "
         "those tokens in the model's dtype (float32 here), unpadded. 'prompt cache' is the LRU after the run "
-        "(the conversations kept for prefix reuse). **CPU caveat**: 2 shared cores, other jobs running; "
-        "MLX's CPU quantized matmul is slow, so speeds here say little about Apple silicon.", "",
+        "(the conversations kept for prefix reuse). 'same as plain' counts replies equal to the plain "
+        "cache's, and gives the mean length of their common beginning in characters. The servers run one "
+        "after another. **CPU caveat**: 2 shared cores with other jobs running (the load changes between "
+        "rows), MLX's CPU quantized matmul is slow and KVarN runs its MLX ops path here, so speeds say "
+        "little about Apple silicon.", "",
         "| server | batched | wall s | total tok/s | generated tok/s | live seqs | live tokens | live KV MiB "
-        "| plain MiB for them | prompt cache MiB (seqs) | same text as plain |",
+        "| plain MiB for them | prompt cache MiB (seqs) | same as plain (common chars) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p = r["peak_live"]
         same = sum(a == b for a, b in zip(r["texts"], plain["texts"]))
+        common = sum(len(os.path.commonprefix([a, b])) for a, b in zip(r["texts"], plain["texts"])) / len(r["texts"])
         out.append(
             f"| {r['name']} (`{' '.join(r['flags'])}`) | {'yes' if p['sequences'] > 1 else 'no'} "
             f"| {r['wall_s']:.1f} | {r['total_tok_s']:.1f} | {r['generated_tok_s']:.2f} | {p['sequences']} "
             f"| {p['tokens']} | {mib(p['held'])} | {mib(p['plain'])} "
             f"| {mib(r['prompt_cache']['held'])} ({r['prompt_cache']['sequences']}) "
-            f"| {same}/{len(r['texts'])} |")
+            f"| {same}/{len(r['texts'])} ({common:.0f}) |")
     return "\n".join(out) + "\n"
 
 

@@ -38,18 +38,16 @@ from .integration import make_cache
 STATS_PATH = "/v1/kv_stats"
 API_KEY_ENV = "KVARN_API_KEY"
 
-# What the stats read is changed by the generation thread: every change and
-# every reading holds this lock.
-_lock = threading.RLock()
-_generators = weakref.WeakSet()  # live BatchGenerators
-_single = []  # the cache of a request served alone (not batchable), while it runs
+# The generation thread publishes the live requests' figures after its steps, so
+# a reading never waits for a step; the prompt cache (LRU) is changed and read
+# under _lock.
+_lock = threading.Lock()
 _prompt_caches = weakref.WeakSet()
 # Prompt tokens of requests that the model runs (those the prompt cache held are not).
 _counts = {"prompt_tokens": 0}
-# The live figures with the most tokens seen: measured after a step, at most once per
-# PEAK_EVERY seconds or when prompts finish (stats read during a long step wait for it).
-_peak = {"live": None, "at": 0.0}
-PEAK_EVERY = 1.0
+# "now": the latest live figures, "peak": those with the most tokens held.
+_live = {"now": None, "peak": None, "at": 0.0, "sequences": 0}
+PUBLISH_EVERY = 1.0  # seconds between measurements while the number of sequences stays
 
 
 # -- caches ---------------------------------------------------------------------------
@@ -74,28 +72,24 @@ def cache_factory(preset, sink=None, provider=None):
 
 
 class BatchGenerator(mlx_server.BatchGenerator):
-    """mlx-lm's BatchGenerator, changed under the stats lock and seen by the stats."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        _generators.add(self)
+    """mlx-lm's BatchGenerator, publishing its live figures for the stats."""
 
     def insert_segments(self, segments, *args, **kwargs):
-        with _lock:
-            uids = super().insert_segments(segments, *args, **kwargs)
-            _counts["prompt_tokens"] += sum(len(s) for seq in segments for s in seq)
-            return uids
+        uids = super().insert_segments(segments, *args, **kwargs)
+        _counts["prompt_tokens"] += sum(len(s) for seq in segments for s in seq)
+        _publish(self.live_caches())
+        return uids
 
     def remove(self, *args, **kwargs):
-        with _lock:
-            return super().remove(*args, **kwargs)
+        out = super().remove(*args, **kwargs)
+        _publish(self.live_caches())
+        return out
 
     def next(self):
-        with _lock:
-            decoding = len(self._generation_batch)
-            out = super().next()
-            _note_peak(force=len(self._generation_batch) > decoding)  # prompts just done: a jump
-            return out
+        decoding = len(self._generation_batch)
+        out = super().next()
+        _publish(self.live_caches(), force=len(self._generation_batch) > decoding)  # prompts done: a jump
+        return out
 
     def live_caches(self):
         """The cache of every sequence it holds: single caches, or batch caches with their row count."""
@@ -107,7 +101,7 @@ class BatchGenerator(mlx_server.BatchGenerator):
 
 
 class PromptCache(LRUPromptCache):
-    """mlx-lm's LRU of prompt caches, changed under the stats lock."""
+    """mlx-lm's LRU of prompt caches, changed and read under _lock."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -132,23 +126,15 @@ class PromptCache(LRUPromptCache):
 
 def stream_generate(*args, prompt_cache=None, **kwargs):
     """mlx-lm's stream_generate (the server's path for a request served alone),
-    its cache seen by the stats while it runs. Its steps run unlocked (a
-    prompt may take minutes): reading the byte counts of arrays another thread
-    replaces is safe, and off by at most a step."""
-    with _lock:
-        _single.append(prompt_cache)
+    publishing the live figures of its cache."""
     try:
-        first = True
-        for response in _stream_generate(*args, prompt_cache=prompt_cache, **kwargs):
-            if first:
+        for i, response in enumerate(_stream_generate(*args, prompt_cache=prompt_cache, **kwargs)):
+            if i == 0:
                 _counts["prompt_tokens"] += response.prompt_tokens
-                first = False
-            with _lock:
-                _note_peak()
+            _publish([(prompt_cache, 1)])
             yield response
     finally:
-        with _lock:
-            _single[:] = [c for c in _single if c is not prompt_cache]
+        _publish([])
 
 
 _stream_generate = mlx_server.stream_generate
@@ -159,8 +145,9 @@ _stream_generate = mlx_server.stream_generate
 
 def _bytes(caches, n):
     """memory.layer_bytes summed over the layers of one entry: one sequence's
-    caches, or a batch of n (its KVarN layers count row by row)."""
-    out = {"sequences": n, "tokens": 0, "held": 0, "plain": 0, "fp16": 0}
+    caches, or a batch of n (its KVarN layers count row by row). sequences:
+    those holding tokens (not those still waiting for their prompt)."""
+    out = {"sequences": 0, "tokens": 0, "held": 0, "plain": 0, "fp16": 0}
     tokens = [0] * n
     for layer in caches:
         for c in layer.rows if isinstance(layer, BatchKVarNCache) else [layer]:
@@ -169,6 +156,7 @@ def _bytes(caches, n):
                 out[k] += b[k]
         tokens = [max(t, r) for t, r in zip(tokens, _row_tokens(layer, n))]
     out["tokens"] = sum(tokens)
+    out["sequences"] = sum(t > 0 for t in tokens)
     return out
 
 
@@ -194,30 +182,30 @@ def _total(entries):
 def kv_stats():
     """KV bytes held by live requests and by the prompt cache, and what mlx-lm's
     plain cache would hold for the same tokens (in the model's dtype; fp16: at 2
-    bytes an element). Figures from the arrays held (kvarn_mlx.memory)."""
+    bytes an element). Figures from the arrays held (kvarn_mlx.memory); the live
+    ones as of the generation's latest step."""
     with _lock:
         stored = [(c, 1) for p in _prompt_caches for c in p.entries()]
-        return {
-            "live": _live(),
-            "live_peak": _peak["live"],
-            "prompt_cache": _total(stored),
-            "prompt_tokens_processed": _counts["prompt_tokens"],
-        }
+        prompt_cache = _total(stored)
+    return {
+        "live": _live["now"] or _total([]),
+        "live_peak": _live["peak"],
+        "prompt_cache": prompt_cache,
+        "prompt_tokens_processed": _counts["prompt_tokens"],
+    }
 
 
-def _live():
-    return _total([part for g in _generators for part in g.live_caches()] + [(c, 1) for c in _single if c])
-
-
-def _note_peak(force=False):
-    """Keep the live figures if they hold the most tokens yet (measured at most once
-    per PEAK_EVERY seconds, unless forced)."""
+def _publish(entries, force=False):
+    """In the generation thread: measure the live (caches, sequences) entries if
+    their number changed, if forced, or PUBLISH_EVERY seconds after the last time."""
+    n = sum(k for _, k in entries)
     now = time.monotonic()
-    if force or now - _peak["at"] >= PEAK_EVERY:
-        _peak["at"] = now
-        live = _live()
-        if _peak["live"] is None or live["tokens"] > _peak["live"]["tokens"]:
-            _peak["live"] = live
+    if not force and n == _live["sequences"] and now - _live["at"] < PUBLISH_EVERY:
+        return
+    figures = _total(entries)
+    _live.update(now=figures, at=now, sequences=n)
+    if _live["peak"] is None or figures["tokens"] > _live["peak"]["tokens"]:
+        _live["peak"] = figures
 
 
 # -- requests -------------------------------------------------------------------------

@@ -312,8 +312,9 @@ def assert_like_alone(caches, single, tie):
             assert np.linalg.norm(x - y) <= 1e-2 * np.linalg.norm(y)
 
 
-def check_against_alone(model, tok, prompts, make, n, **kwargs):
-    """batch_generate over the prompts against each prompt alone; the number of near ties."""
+def check_against_alone(model, tok, prompts, make, n, report=None, **kwargs):
+    """batch_generate over the prompts against each prompt alone; the number of
+    near ties. report: a list to get (prompt tokens, tokens, smallest top-two gap) per prompt."""
     r = batch_generate(model, tok, prompts, prompt_caches=[make() for _ in prompts], max_tokens=n,
                        return_prompt_caches=True, return_token_ids=True, **kwargs)
     ties = 0
@@ -323,6 +324,8 @@ def check_against_alone(model, tok, prompts, make, n, **kwargs):
         tie = near_ties(want, gaps, got)
         assert_like_alone(caches, single, tie)
         ties += tie
+        if report is not None:
+            report.append((len(p), len(want), min(gaps)))
     return ties
 
 
@@ -389,7 +392,10 @@ def test_batch_generate_on_the_embedded_model(smollm):
     model, tok = smollm
     ids = tok.encode(load_text("topics"))
     prompts = [ids[s : s + n] for s, n in ((0, 20), (3000, 300), (6000, 700), (9000, 1500))]
-    ties = check_against_alone(model, tok, prompts, lambda: make_cache(model), 64)
+    report = []
+    ties = check_against_alone(model, tok, prompts, lambda: make_cache(model), 64, report)
+    for n, m, gap in report:
+        print(f"prompt {n} tokens: {m} greedy tokens compared, smallest top-two logit gap {gap:.2e}")
     print(f"near ties: {ties} of {len(prompts)} prompts")
 
 

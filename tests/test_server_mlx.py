@@ -120,7 +120,7 @@ def test_concurrent_streams_equal_the_same_requests_one_at_a_time(model_dir):
         stats = get(url + "/v1/kv_stats")
     assert all(finish == "length" for _, finish in alone)
     assert together == alone
-    batched = max(seen, key=lambda s: s["sequences"])
+    batched = max(seen, key=lambda s: s["sequences"])  # sequences holding tokens at once
     assert batched["sequences"] > 1, "the requests were never batched"
     assert batched["held"] > 0 and batched["plain"] > 0
     assert stats["live"]["sequences"] == 0 and stats["prompt_cache"]["sequences"] == 0
