@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from . import dispatch, fp8, kernels, prefill, quant
+from . import dispatch, fp8, kernels, prefill, quant, rotation
 from .tiles import StepView
 
 
@@ -23,7 +23,7 @@ def packed_attention(queries, cache, scale, mask=None, sinks=None):
         B, Hq, L, D = queries.shape
         H = cache.sink_k.shape[1]
         r = cache.decide_row  # a short step: the row after the tiles, as in one-token decoding
-        q = queries if r is None else queries[:, :, r : r + 1]
+        q = queries[:, :, : rotation.DECIDE_ROWS] if r is None else queries[:, :, r : r + 1]
         cache.decide_key_rotation((q.astype(mx.float32) * scale).reshape(B, H, -1, D))
     view = cache.step_view()
     out = attend_view(queries, view, scale, mask, sinks)

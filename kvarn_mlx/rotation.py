@@ -16,6 +16,13 @@ from . import dispatch, quant
 # of the rotated keys' (ties go to the paper's choice; 0.95 measured on tiny models
 # with and without outlier key channels, tests/test_auto_rotation.py).
 KEY_ROTATION_MARGIN = 0.95
+# The choice reads the first DECIDE_TILES candidate tiles and the step's first
+# DECIDE_ROWS query rows: what a prefill in 256-token chunks sees at its first
+# tile. A long first chunk (2,048 tokens) would otherwise compare three
+# float32 attention distributions over all its rows and tiles, a few times the
+# cost of the chunk's own attention.
+DECIDE_TILES = 2
+DECIDE_ROWS = 256
 
 
 @dataclass(eq=False)
@@ -44,16 +51,19 @@ def decide(cand: KeyCandidates, k_bits, queries=None):
 
     queries [B, H, rows, D] are the step's unrotated queries, already times the
     softmax scale, grouped by kv head; without them the keys (times D^-0.5) stand
-    in. Returns (keep_rotation [H] bool, the chosen (words, a, b, t))."""
+    in. Only the first DECIDE_TILES tiles are compared. Returns
+    (keep_rotation [H] bool, the chosen (words, a, b, t))."""
     B, H, m, G, D = cand.keys.shape
-    k = cand.keys.reshape(B, H, m * G, D).astype(mx.float32)
+    n = min(m, DECIDE_TILES)
+    k = cand.keys[:, :, :n].reshape(B, H, n * G, D).astype(mx.float32)
     q = k * D**-0.5 if queries is None else queries.astype(mx.float32)
     p = mx.softmax(q @ mx.swapaxes(k, -1, -2), axis=-1, precise=True)
 
     # Softmax ignores score errors that are the same for every key of a query;
     # comparing attention distributions counts only the errors that matter.
     def attention_error(words, a, b, t, rotated):
-        k_hat = quant.dequantize_keys(words, a, b, t, k_bits).reshape(B, H, m * G, D)
+        words, a, b, t = (x[:, :, :n] for x in (words, a, b, t))
+        k_hat = quant.dequantize_keys(words, a, b, t, k_bits).reshape(B, H, n * G, D)
         k_hat = quant.unrotate(k_hat) if rotated else k_hat
         p_hat = mx.softmax(q @ mx.swapaxes(k_hat, -1, -2), axis=-1, precise=True)
         return mx.mean(mx.abs(p_hat - p).sum(axis=-1), axis=(0, 2))  # per kv head

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-from kvarn_mlx import KVarNCache, get_preset, make_cache, patch, unpatch
+from kvarn_mlx import KVarNCache, get_preset, make_cache, patch, rotation, unpatch
 from models import tiny_model, tokens
 
 BASE = get_preset("k2v2_g128", group_size=64, sink=64)
@@ -70,6 +70,25 @@ def test_auto_keeps_rotation_without_outlier_channels():
     summary = rotated_heads(kl["auto"][1])
     assert sum(r for r, _ in summary) >= 0.75 * sum(n for _, n in summary), summary
     assert kl["auto"][0] <= 1.10 * min(kl["kvarn"][0], kl["plain_keys"][0])
+
+
+def test_long_first_chunk_decides_from_its_first_tiles_and_rows():
+    # A 2,048-token first chunk would compare attention over all its rows and
+    # tiles; the choice reads DECIDE_TILES tiles and DECIDE_ROWS rows, so a
+    # decision for many tiles and rows is the one for those alone, whatever
+    # the later tiles and rows hold. One long chunk still finds the outliers.
+    cfg = get_preset("auto4v2")
+    k = mx.random.normal((1, 2, 6, 128, 64), key=mx.random.key(0))
+    q = mx.random.normal((1, 2, 3 * rotation.DECIDE_ROWS, 64), key=mx.random.key(1)) * 0.125
+    head = rotation.candidates(k[:, :, : rotation.DECIDE_TILES], cfg, 0)
+    noisy = mx.concatenate([k[:, :, : rotation.DECIDE_TILES], 50 * k[:, :, rotation.DECIDE_TILES :]], axis=2)
+    for keys in (k, noisy):
+        cand = rotation.candidates(keys, cfg, 0)
+        assert rotation.decide(cand, cfg.k_bits, q)[0].tolist() == rotation.decide(head, cfg.k_bits, q)[0].tolist()
+    model, toks = outlier_model("qwen2_bias"), tokens(640)
+    cache = make_cache(model, VARIANTS["auto"])
+    logits(model, toks, cache, chunk=640)
+    assert all(r == 0 for r, _ in rotated_heads(cache)), rotated_heads(cache)
 
 
 def test_decision_survives_prompt_cache_files(tmp_path):
