@@ -130,3 +130,20 @@ def kv_dtype(cache):
             if isinstance(x, mx.array):
                 return x.dtype
     return None
+
+
+def panel(cache) -> dict:
+    """cache_bytes (tokens: the sequence's, the most any layer holds) plus what a memory panel says before the first tile: the dtype
+    full-precision tokens are held in (the plain cache's) and saving_from, the
+    token from which the first KVarN layer holds less than the plain cache
+    (None without KVarN layers, or while the cache is empty)."""
+    out = cache_bytes(cache)
+    out["tokens"] = max((layer_bytes(c)["tokens"] for c in cache), default=0)  # of the sequence, not summed
+    dtype = kv_dtype(cache)
+    kvarn = [c for c in cache if isinstance(c, KVarNCache) and not c.empty()]
+    out["dtype"] = None if dtype is None else str(dtype).removeprefix("mlx.core.")
+    out["saving_from"] = None
+    if kvarn and dtype is not None:
+        c = kvarn[0]
+        out["saving_from"] = saving_starts_at(c.config, c.sink_k.shape[-1], dtype.size)
+    return out

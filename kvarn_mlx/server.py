@@ -8,6 +8,8 @@ prompt cache), with:
 - the embedded default model when --model is omitted;
 - GET /v1/kv_stats: KV bytes held by live requests and by the prompt cache,
   next to what mlx-lm's plain cache would hold for the same tokens;
+  `?request=ID` (a completion's id) adds the figures of the cache that request
+  left in the prompt cache: one conversation's memory (apps/chat's panel);
 - kvarn_mlx.guard's rules on every request: a Host this server answers to
   (DNS rebinding), JSON bodies only, no POST from other web pages' Origins
   unless --allowed-origins lists them (default: none), and --api-key.
@@ -24,6 +26,8 @@ import sys
 import threading
 import time
 import weakref
+from collections import OrderedDict, deque
+from urllib.parse import parse_qs, urlsplit
 
 import mlx.core as mx
 import mlx_lm.server as mlx_server
@@ -48,6 +52,11 @@ _counts = {"prompt_tokens": 0}
 # "now": the latest live figures, "peak": those with the most tokens held.
 _live = {"now": None, "peak": None, "at": 0.0, "sequences": 0}
 PUBLISH_EVERY = 1.0  # seconds between measurements while the number of sequences stays
+# Per request (by completion id): its prompt tokens; per cache stored in the prompt
+# cache: its tokens and memory.panel figures, measured when stored. Both bounded.
+REMEMBERED = 256
+_prompts = OrderedDict()
+_stored = deque(maxlen=REMEMBERED)
 
 
 # -- caches ---------------------------------------------------------------------------
@@ -111,9 +120,11 @@ class PromptCache(LRUPromptCache):
         with _lock:
             return super().fetch_nearest_cache(*args, **kwargs)
 
-    def insert_cache(self, *args, **kwargs):
+    def insert_cache(self, model, tokens, prompt_cache, *args, **kwargs):
+        figures = memory.panel(prompt_cache)  # before the LRU may trim or hand it on
         with _lock:
-            return super().insert_cache(*args, **kwargs)
+            _stored.append((tuple(tokens), figures))
+            return super().insert_cache(model, tokens, prompt_cache, *args, **kwargs)
 
     def trim_to(self, *args, **kwargs):
         with _lock:
@@ -179,20 +190,62 @@ def _total(entries):
     return out
 
 
-def kv_stats():
+def kv_stats(request=None):
     """KV bytes held by live requests and by the prompt cache, and what mlx-lm's
     plain cache would hold for the same tokens (in the model's dtype; fp16: at 2
     bytes an element). Figures from the arrays held (kvarn_mlx.memory); the live
-    ones as of the generation's latest step."""
+    ones as of the generation's latest step. request: a completion id; adds
+    "request", request_figures(request)."""
     with _lock:
         stored = [(c, 1) for p in _prompt_caches for c in p.entries()]
         prompt_cache = _total(stored)
-    return {
+    out = {
         "live": _live["now"] or _total([]),
         "live_peak": _live["peak"],
         "prompt_cache": prompt_cache,
         "prompt_tokens_processed": _counts["prompt_tokens"],
     }
+    if request is not None:
+        out["request"] = request_figures(request)
+    return out
+
+
+def request_figures(request):
+    """memory.panel figures of the cache the request with this
+    completion id left in the prompt cache once it finished: its prompt and
+    reply. None while it runs, or for an id this server does not remember."""
+    with _lock:
+        prompt = _prompts.get(request)
+        if prompt is None:
+            return None
+        n = len(prompt)
+        for tokens, figures in reversed(_stored):  # the newest first: the same prompt may come again
+            if len(tokens) >= n and tokens[:n] == prompt:
+                return figures
+    return None
+
+
+def _remember(request, prompt):
+    with _lock:
+        _prompts[request] = tuple(prompt)
+        while len(_prompts) > REMEMBERED:
+            _prompts.popitem(last=False)
+
+
+class _Recorder:
+    """The response generator as one request's handler sees it: remembers the
+    request's prompt tokens under its completion id (for request_figures)."""
+
+    def __init__(self, generator, request):
+        self._generator, self._request = generator, request
+
+    def __getattr__(self, name):
+        return getattr(self._generator, name)
+
+    def generate(self, *args, **kwargs):
+        ctx, response = self._generator.generate(*args, **kwargs)
+        _remember(self._request, ctx.prompt)
+        return ctx, response
 
 
 def _publish(entries, force=False):
@@ -216,8 +269,9 @@ class APIHandler(mlx_server.APIHandler):
 
     settings = argparse.Namespace(allowed_hosts=[], allowed_origins=[], api_key=None, kv_preset=None, kv_sink=None)
 
-    def _refused(self, post):
-        """Answer and return True if the request breaks a rule."""
+    def _refused(self, post, public=False):
+        """Answer and return True if the request breaks a rule. public: no API
+        key needed (a page that holds nothing, and asks for the key)."""
         s = self.settings
         try:
             guard.check_host(self.headers.get("Host"), self.connection.getsockname()[0], s.allowed_hosts)
@@ -226,16 +280,28 @@ class APIHandler(mlx_server.APIHandler):
                     guard.check_origin(self.headers.get("Origin"), self.headers.get("Host"),
                                        allowed=s.allowed_origins)
                 guard.check_json_type(self.headers.get("Content-Type"))
-            guard.check_api_key(self.headers.get("Authorization"), s.api_key)
+            if not public:
+                guard.check_api_key(self.headers.get("Authorization"), s.api_key)
         except guard.Refused as e:
-            body = json.dumps({"error": {"message": str(e), "type": "invalid_request_error", "code": e.code}})
-            self.send_response(e.status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body.encode())
+            self.send_error_json(e)
             return True
         return False
+
+    def send_error_json(self, e):
+        """Answer with guard.Refused e, in OpenAI's error format."""
+        body = json.dumps({"error": {"message": str(e), "type": "invalid_request_error" if e.status < 500
+                                     else "server_error", "code": e.code, "param": e.param}}).encode()
+        self.send_response(e.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        if e.status == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def handle_completion(self, request, stop_words):
+        self.response_generator = _Recorder(self.response_generator, self.request_id)
+        super().handle_completion(request, stop_words)
 
     def do_POST(self):
         if not self._refused(post=True):
@@ -248,10 +314,13 @@ class APIHandler(mlx_server.APIHandler):
     def do_GET(self):
         if self._refused(post=False):
             return
-        if self.path != STATS_PATH:
+        url = urlsplit(self.path)
+        if url.path != STATS_PATH:
             return super().do_GET()
-        stats = kv_stats()
-        stats.update(kv_preset=self.settings.kv_preset, kv_sink=self.settings.kv_sink)
+        request = parse_qs(url.query).get("request", [None])[-1]
+        stats = kv_stats(request)
+        stats.update(kv_preset=self.settings.kv_preset, kv_sink=self.settings.kv_sink,
+                     model=self.response_generator.cli_args.model)
         self._set_completion_headers(200)
         self.end_headers()
         self.wfile.write(json.dumps(stats).encode())
@@ -281,7 +350,8 @@ def arg_parser():
         description="mlx-lm's server (all of mlx_lm.server's flags work) on KVarN KV caches.")
     g = p.add_argument_group("KVarN")
     g.add_argument("--kv-preset", default=DEFAULT_PRESET,
-                   help=f"KVarN preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}; or {FP16}: "
+                   help=f"KVarN preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}, any kXvY_gG[_auto]; "
+                        f"or {FP16}: "
                         "mlx-lm's own cache (then mlx-lm's --kv-bits applies)")
     g.add_argument("--kv-sink", type=int, default=None,
                    help="leading tokens kept unquantized (default: the preset's, one tile)")
@@ -296,15 +366,26 @@ def arg_parser():
     return p
 
 
-def main(argv=None):
+def _preset_error(name):
+    """get_preset's message for a name it does not know (None if it knows it)."""
+    try:
+        get_preset(name)
+    except ValueError as e:
+        return str(e).replace(" (or a KVarNConfig)", "")
+    return None
+
+
+def main(argv=None, handler=None, parser=None):
+    """handler: an APIHandler subclass to serve with (apps/chat's adds its page);
+    parser: arg_parser() with more flags, read back from handler.settings."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = arg_parser()
+    parser = parser or arg_parser()
     ours, rest = parser.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         parser.print_help()
         print("\nmlx_lm.server's flags:\n")
-    elif ours.kv_preset not in PRESETS and ours.kv_preset != FP16:
-        parser.error(f"--kv-preset {ours.kv_preset!r}: use one of {', '.join(PRESETS)} or {FP16}")
+    elif ours.kv_preset != FP16 and _preset_error(ours.kv_preset):
+        parser.error(f"--kv-preset: {_preset_error(ours.kv_preset)}; or {FP16}: mlx-lm's own cache")
     elif ours.kv_sink is not None and ours.kv_sink < 0:
         parser.error(f"--kv-sink {ours.kv_sink}: must be >= 0")
     elif ours.kv_preset != FP16 and any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest):
@@ -316,7 +397,7 @@ def main(argv=None):
         rest += ["--model", str(default_model_path())]
     # mlx-lm's --allowed-origins sets its CORS headers: the same list as ours.
     rest += ["--allowed-origins", ",".join(ours.allowed_origins)]
-    install(ours)
+    install(ours, handler or APIHandler)
     sys.argv = [parser.prog, *rest]
     mlx_server.main()
 
@@ -329,14 +410,14 @@ def install_caches(preset, sink, provider=None):
     sys.modules["mlx_lm.generate"].make_prompt_cache = make_prompt_cache
 
 
-def install(settings):
+def install(settings, handler=APIHandler):
     """Rebind the names mlx_lm.server looks up, so its own code runs on KVarN
-    caches, this module's run() and its request handler."""
+    caches, this module's run() and the request handler."""
     install_caches(settings.kv_preset, settings.kv_sink)
     mlx_server.BatchGenerator = BatchGenerator
     mlx_server.stream_generate = stream_generate
-    mlx_server.run = run
-    APIHandler.settings = settings
+    mlx_server.run = lambda host, port, provider: run(host, port, provider, handler_class=handler)
+    handler.settings = settings
 
 
 if __name__ == "__main__":

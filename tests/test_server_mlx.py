@@ -137,11 +137,24 @@ def test_a_continued_conversation_prefills_only_its_new_tokens(model_dir):
         ask = dict(model="default_model", max_tokens=16, temperature=0.0, logit_bias={"33": 100})
         r1 = c.chat.completions.create(messages=first, **ask)
         assert r1.choices[0].message.content == "1" * 16
-        before = get(url + "/v1/kv_stats")
+        # the server stores the conversation's cache just after answering: wait for it
+        deadline = time.monotonic() + TIMEOUT
+        while (before := get(url + f"/v1/kv_stats?request={r1.id}"))["request"] is None:
+            assert time.monotonic() < deadline, "the request's figures never appeared"
+            time.sleep(0.05)
+        unknown = get(url + "/v1/kv_stats?request=chatcmpl-unknown")
         second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
                           {"role": "user", "content": prompt(2, 30)}]
         r2 = c.chat.completions.create(messages=second, **ask)
         after = get(url + "/v1/kv_stats")
+    # ?request=: the figures of the cache this conversation left in the prompt cache
+    one = before["request"]
+    assert r1.usage.prompt_tokens < one["tokens"] <= r1.usage.prompt_tokens + 16
+    assert one["tiles"] >= 2 and one["kvarn_layers"] == one["layers"] > 0
+    assert one["plain"] > one["held"] > 0 and one["ratio_plain"] == pytest.approx(one["plain"] / one["held"])
+    assert one["dtype"] == "float32" and one["saving_from"] > 16
+    assert unknown["request"] is None
+    assert "request" not in after
     cached = r2.usage.prompt_tokens_details.cached_tokens
     processed = after["prompt_tokens_processed"] - before["prompt_tokens_processed"]
     # the first prompt and the reply's tokens (all but the last, which the cache
@@ -179,7 +192,7 @@ def test_flags():
     r = run("--kv-bits", "4")
     assert r.returncode == 2 and "--kv-preset" in r.stderr
     r = run("--kv-preset", "k3v3")
-    assert r.returncode == 2 and "k4v2_g128" in r.stderr
+    assert r.returncode == 2 and "k4v2_g128" in r.stderr and "kXvY_gG_auto" in r.stderr
     r = run("--help")
     assert r.returncode == 0 and "--kv-preset" in r.stdout and "--prompt-cache-bytes" in r.stdout
 
@@ -195,3 +208,13 @@ def test_speculative_decoding_with_a_draft_model(model_dir, tmp_path):
     with server(model_dir, "--draft-model", str(draft_dir), "--num-draft-tokens", "3") as (url, _):
         got = [stream_chat(client(url), m, max_tokens=80) for m in conversations]
     assert got == want
+
+
+def test_preset_names():
+    """--kv-preset takes what kvarn_mlx.config.get_preset takes, as generate does."""
+    from kvarn_mlx.server import _preset_error
+
+    for name in ("auto4v2", "k4v2_g128", "k3v3_g64", "k5v2_g128_auto"):
+        assert _preset_error(name) is None, name
+    for name in ("k3v3", "k7v2_g128", "k4v2_g32", ""):
+        assert "valid presets" in _preset_error(name), name
