@@ -16,11 +16,20 @@ group 64, quantized from the first prefill step on). The prompt is the start
 of CPython's pydoc_data/topics.py. Methods run one after another for each
 context, alternating the order between repeats; ratios are against the plain
 cache at the same context in the same run.
+
+--separate runs each method (and context) in a process of its own, so the
+process's peak memory (ru_maxrss: model weights, the prefill's transient
+buffers and the cache, everything) is that method's alone:
+
+    python benchmarks/ttft.py --model embedded:gemma-3-270m --contexts 32512 \\
+        --steps 255 --separate --tag gemma
 """
 
 import argparse
 import gc
 import json
+import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -83,11 +92,39 @@ def run_one(model, ids, method, chunk, steps):
     }
 
 
+def rss_peak():
+    """This process's peak resident memory in bytes (ru_maxrss: bytes on macOS, KiB on Linux)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else 1024 * peak
+
+
+def run_separate(a, method, context):
+    """run_one in a fresh process (this script with --worker) for a process peak of its own."""
+    argv = [sys.executable, __file__, "--worker", "--methods", method, "--contexts", str(context),
+            "--chunk", str(a.chunk), "--steps", str(a.steps), "--text", a.text]
+    if a.model:
+        argv += ["--model", a.model]
+    res = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def worker(a, model, tok):
+    """One method at one context in this process; its run as JSON on stdout."""
+    (ctx,), (method,) = [int(c) for c in a.contexts.split(",")], a.methods.split(",")
+    ids = tokens(tok, a.text, ctx)
+    loaded = rss_peak()
+    r = run_one(model, ids, method, a.chunk, a.steps)
+    r.update(process_peak=rss_peak(), process_peak_before_run=loaded)
+    print(json.dumps(r, default=float))
+    return 0
+
+
 def summarize(method, context, runs):
     """Medians over repeats (steps elementwise)."""
     steps = np.median(np.array([r["decode_step_s"] for r in runs]), axis=0)
     later = steps[3:] if len(steps) > 3 else steps
-    return {
+    peaks = {k: max(r[k] for r in runs) for k in ("process_peak", "process_peak_before_run") if k in runs[0]}
+    return {**peaks,
         "context": context, "method": method, "repeats": len(runs),
         "ttft_s": float(np.median([r["ttft_s"] for r in runs])),
         "ttft_all_s": [r["ttft_s"] for r in runs],
@@ -111,6 +148,8 @@ def add_ratios(rows):
         r["first_step_vs_plain"] = r["first_steps_s"][0] / base["first_steps_s"][0]
         r["decode_speed_vs_plain"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         r["peak_vs_plain"] = r["peak_memory"] / base["peak_memory"]
+        if "process_peak" in r:
+            r["process_peak_vs_plain"] = r["process_peak"] / base["process_peak"]
 
 
 def render(data):
@@ -129,6 +168,19 @@ def render(data):
     if meta["machine"]["device"].startswith("Device(cpu"):
         md.append("**CPU**: float32 matmul runs on OpenBLAS here while MLX's CPU quantized matmul is slow; "
                   "these ratios do not predict Apple-silicon speed.\n")
+    if data.get("separate"):
+        md.append("Each method ran in a process of its own (--separate): process peak = that process's ru_maxrss "
+                  "(resident memory: Python, MLX, model weights, prefill buffers and cache, all of it), loaded = "
+                  "ru_maxrss after loading the model and tokenizing, before the generation.\n")
+        md += ["| context | method | process peak MiB | vs plain | loaded MiB | peak - loaded MiB | MLX peak MiB | "
+               "MLX peak vs plain | cache MiB |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in data["rows"]:
+            md.append(f"| {r['context']} | {r['method']} | {r['process_peak'] / 2**20:.0f} | "
+                      f"{r.get('process_peak_vs_plain', float('nan')):.2f}x | {r['process_peak_before_run'] / 2**20:.0f} | "
+                      f"{(r['process_peak'] - r['process_peak_before_run']) / 2**20:.0f} | "
+                      f"{r['peak_memory'] / 2**20:.0f} | {r.get('peak_vs_plain', float('nan')):.2f}x | "
+                      f"{r['cache_bytes'] / 2**20:.1f} |")
+        md.append("")
     md += ["| context | method | TTFT s | TTFT vs plain | TTFT CPU s | CPU vs plain | step 1 ms | step 2 ms | step 3 ms | "
            "step 1 vs plain | decode tok/s | decode vs plain | peak MiB | cache MiB |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -185,6 +237,9 @@ def main(argv=None):
     p.add_argument("--text", default="topics")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="suffix for the output files (ttft_<tag>.md)")
+    p.add_argument("--separate", action="store_true",
+                   help="each method and context in a process of its own, with its process peak memory")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.quick:
         for k, v in QUICK.items():
@@ -201,24 +256,29 @@ def main(argv=None):
 
     from kvarn_mlx.loader import load
 
-    model, tok = load(a.model)
+    if a.separate:
+        model = tok = None
+    else:
+        model, tok = load(a.model)
+    if a.worker:
+        return worker(a, model, tok)
     name = a.model or "SmolLM2-135M-Instruct (embedded, float32)"
     command = "python benchmarks/ttft.py " + " ".join(argv if argv is not None else sys.argv[1:])
     load_start = load_average()
-    ids_all = tokens(tok, a.text, max(contexts))
+    ids_all = None if a.separate else tokens(tok, a.text, max(contexts))
     runs = {}
     for ctx in contexts:
         for rep in range(a.repeats):
             order = methods if rep % 2 == 0 else methods[::-1]
             for m in order:
-                r = run_one(model, ids_all[:ctx], m, a.chunk, a.steps)
+                r = run_separate(a, m, ctx) if a.separate else run_one(model, ids_all[:ctx], m, a.chunk, a.steps)
                 runs.setdefault((ctx, m), []).append(r)
                 print(f"{ctx:>6} {m:<12} TTFT {r['ttft_s']:8.2f}s  steps 1-3 ms "
                       f"{[round(1e3 * s) for s in r['decode_step_s'][:3]]}", file=sys.stderr, flush=True)
     rows = [summarize(m, ctx, runs[(ctx, m)]) for ctx in contexts for m in methods]
     add_ratios(rows)
     data = {"meta": metadata(name, command), "load_start": load_start, "load_end": load_average(),
-            "chunk": a.chunk, "steps": a.steps, "repeats": a.repeats, "rows": rows}
+            "chunk": a.chunk, "steps": a.steps, "repeats": a.repeats, "separate": a.separate, "rows": rows}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "ttft" + (f"_{a.tag}" if a.tag else "")

@@ -44,3 +44,20 @@ def test_ttft_quick(tmp_path):
 def test_ttft_rejects_unknown_method(tmp_path):
     with pytest.raises(SystemExit):
         _load("ttft").main(["--quick", "--methods", "nope", "--out", str(tmp_path)])
+
+
+def test_ttft_quick_separate_processes(tmp_path):
+    # --separate: every method in a process of its own, each with its process peak.
+    ttft = _load("ttft")
+    folder = tiny_model_folder(tmp_path / "model")
+    out = tmp_path / "results"
+    argv = ["--quick", "--separate", "--methods", "plain,k2v2_g128", "--model", str(folder), "--out", str(out)]
+    assert ttft.main(argv) == 0
+    data = json.loads((out / "ttft.json").read_text())
+    assert data["separate"] and [r["method"] for r in data["rows"]] == ["plain", "k2v2_g128"] * 2
+    for r in data["rows"]:
+        assert r["process_peak"] >= r["process_peak_before_run"] > 0
+        assert len(r["tokens"]) == ttft.QUICK["steps"] + 1 and r["cache_bytes"] > 0
+        base = next(b for b in data["rows"] if b["context"] == r["context"] and b["method"] == ttft.PLAIN)
+        assert r["process_peak_vs_plain"] == pytest.approx(r["process_peak"] / base["process_peak"])
+    assert "process peak MiB" in (out / "ttft.md").read_text()
