@@ -118,6 +118,10 @@ def fp16_layers(args):
 def read_prompt(args):
     if args.prompt != "-":
         prompt = args.prompt.replace("\\n", "\n")
+    elif mx.distributed.init().size() > 1:
+        # Ranks would share (or lack) stdin: each must see the same prompt.
+        raise UsageError("--prompt - reads stdin, which mlx.launch does not give every rank alike; "
+                         'pass the text itself, e.g. --prompt "$(cat prompt.txt)"')
     else:
         raw = getattr(sys.stdin, "buffer", None)
         if raw is None:  # a text stream without bytes underneath

@@ -147,3 +147,17 @@ def test_generate_on_two_ranks(model_dir):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err
     assert out == one.stdout  # rank 0 prints the single process's text, rank 1 nothing
+
+
+def test_prompt_from_stdin_on_two_ranks_is_an_error(model_dir):
+    # mlx.launch does not hand every rank the same stdin: ranks would disagree and hang.
+    args = ["-m", "kvarn_mlx.generate", "--model", str(model_dir), "--prompt", "-"]
+    proc = launch(2, *args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                  start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    # mlx.launch itself exits 0 whatever its ranks do; the ranks' messages tell.
+    assert '--prompt "$(cat prompt.txt)"' in out + err
