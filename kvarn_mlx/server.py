@@ -12,13 +12,16 @@ prompt cache), with:
   left in the prompt cache: one conversation's memory (apps/chat's panel);
 - kvarn_mlx.guard's rules on every request: a Host this server answers to
   (DNS rebinding), JSON bodies only, no POST from other web pages' Origins
-  unless --allowed-origins lists them (default: none), and --api-key.
+  unless --allowed-origins lists them (default: none), and --api-key;
+  bodies of up to MAX_BODY bytes that mlx-lm's JSON parsing takes without
+  failing (nesting, UTF-8), refused before they are queued.
 
 --prompt-cache-bytes is mlx-lm's flag: it counts `nbytes`, the bytes the
 KVarN caches really hold, so the same budget keeps more prefixes.
 """
 
 import argparse
+import io
 import json
 import logging
 import os
@@ -51,6 +54,7 @@ _prompt_caches = weakref.WeakSet()
 _counts = {"prompt_tokens": 0}
 # "now": the latest live figures, "peak": those with the most tokens held.
 _live = {"now": None, "peak": None, "at": 0.0, "sequences": 0}
+MAX_BODY = 64 << 20  # bytes of a request body; far beyond any prompt text (images come base64-encoded)
 PUBLISH_EVERY = 1.0  # seconds between measurements while the number of sequences stays
 # Per request (by completion id): its prompt tokens; per cache stored in the prompt
 # cache: its tokens and memory.panel figures, measured when stored. Both bounded.
@@ -304,8 +308,42 @@ class APIHandler(mlx_server.APIHandler):
         super().handle_completion(request, stop_words)
 
     def do_POST(self):
-        if not self._refused(post=True):
+        if self._refused(post=True):
+            return
+        try:
+            body = self.read_body()
+        except guard.Refused as e:
+            return self.send_error_json(e)
+        rfile, self.rfile = self.rfile, io.BytesIO(body)  # mlx-lm reads the body again
+        try:
             super().do_POST()
+        finally:
+            self.rfile = rfile
+
+    def read_body(self, limit=None):
+        """The body, once known to be at most `limit` bytes (MAX_BODY; refused by its
+        declared length, unread) and JSON that mlx-lm's parser takes without
+        failing: not nested past Python's recursion limit, valid UTF-8."""
+        limit = MAX_BODY if limit is None else limit
+        try:
+            n = int(self.headers.get("Content-Length"))
+        except (TypeError, ValueError):
+            raise guard.Refused("send the body with a Content-Length header", code="length_required", status=411)
+        if not 0 <= n <= limit:
+            self.close_connection = True
+            raise guard.Refused(f"request body too large (limit {limit} bytes)", code="request_too_large",
+                                status=413)
+        body = self.rfile.read(n)
+        try:
+            json.loads(body.decode())
+        except RecursionError:
+            raise guard.Refused("the JSON body is nested too deeply", code="invalid_json") from None
+        except UnicodeDecodeError as e:
+            raise guard.Refused(f"the body is not valid UTF-8 ({e.reason} at byte {e.start})",
+                                code="invalid_json") from None
+        except ValueError:
+            pass  # mlx-lm answers malformed JSON itself
+        return body
 
     def do_OPTIONS(self):
         if not self._refused(post=False):

@@ -1,25 +1,32 @@
-"""The chat server in this process, for tests that look at its state.
+"""The chat app's server for tests.
 
-`serve(app)` runs a Starlette app under uvicorn on a free loopback port in a
-thread; `chat_worker(smollm)` is a Worker around the session's model, so no
-second model is loaded. Waits are on conditions, with generous timeouts.
+`serve(save_dir, ...)` runs apps.chat's request handler (kvarn_mlx.server's,
+plus the page and saved chats) in this process, in front of a stub response
+generator that loads no model and records what reached it: for the guard, the
+page, saved chats and request validation. `chat_app(...)` runs the real
+`python -m apps.chat` in a subprocess. Waits are on conditions, with generous timeouts.
 """
 
+import argparse
 import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
+from http.server import ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
-for _mod in ("starlette", "uvicorn", "sse_starlette", "httpx"):
-    pytest.importorskip(_mod, reason="the web app needs the 'app' extra: pip install -e '.[app]'")
+httpx = pytest.importorskip("httpx")
 
-import httpx  # noqa: E402
-import uvicorn  # noqa: E402
+from apps.chat.server import ChatHandler  # noqa: E402
 
-from apps.chat.worker import Worker  # noqa: E402
-
-MODEL = "SmolLM2-135M-Instruct"
+ROOT = Path(__file__).resolve().parents[1]
+BLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 TIMEOUT = 120  # seconds; only ever hit when something is broken
 
 
@@ -31,32 +38,79 @@ def wait_for(condition, what, timeout=TIMEOUT):
         time.sleep(0.02)
 
 
-@contextlib.contextmanager
-def chat_worker(smollm, max_tokens=4, preset="fp16"):
-    worker = Worker(dict(preset=preset, max_tokens=max_tokens, loaded=smollm))
-    try:
-        wait_for(worker.ready.is_set, "the engine")
-        assert worker.engine is not None, worker.error
-        yield worker
-    finally:
-        worker.stop()
+class StubGenerator:
+    """Stands in for mlx-lm's ResponseGenerator: no model; every request that
+    reaches it is recorded and answered with an error (mlx-lm's 404)."""
+
+    def __init__(self):
+        self.cli_args = argparse.Namespace(model="stub-model", allowed_origins=[], num_draft_tokens=3,
+                                           max_tokens=4, temp=0.0, top_p=1.0, top_k=0, min_p=0.0)
+        self.requests = []
+        self.is_healthy = True
+
+    def generate(self, request, args, progress_callback=None):
+        self.requests.append((request, args))
+        raise RuntimeError("the stub generates nothing")
 
 
 @contextlib.contextmanager
-def serve(app):
-    """Run app on 127.0.0.1:<free port>; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+def serve(save_dir, allowed_hosts=(), allowed_origins=(), api_key=None):
+    """ChatHandler on 127.0.0.1:<free port> with a StubGenerator; yields (base URL, the stub)."""
+    stub = StubGenerator()
+    settings = argparse.Namespace(allowed_hosts=list(allowed_hosts), allowed_origins=list(allowed_origins),
+                                  api_key=api_key, kv_preset="k4v2_g128", kv_sink=None, save_dir=Path(save_dir))
+    handler = type("Handler", (ChatHandler,), {"settings": settings})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), lambda *a, **k: handler(stub, *a, **k))
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, name="chat-http", daemon=True)
     thread.start()
     try:
-        wait_for(lambda: server.started or not thread.is_alive(), "uvicorn to start")
-        assert server.started, "uvicorn did not start"
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", stub
     finally:
-        server.should_exit = True
+        httpd.shutdown()
+        httpd.server_close()
         thread.join(30)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def chat_app(save_dir, *flags):
+    """python -m apps.chat on a free port (the embedded model unless flags name one); yields its URL."""
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if os.path.exists(BLAS) and "LD_PRELOAD" not in env:
+        env["LD_PRELOAD"] = BLAS
+    env.pop("KVARN_API_KEY", None)
+    log = open(Path(save_dir).parent / f"chat-{port}.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "apps.chat", "--port", str(port), "--save-dir", str(save_dir),
+                             *flags], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                pytest.fail(f"the chat app did not come up:\n{log.read()}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
 
 
 def port_of(url):
@@ -65,8 +119,6 @@ def port_of(url):
 
 def post(url, body=None, content=None, headers=None, timeout=TIMEOUT):
     """POST JSON (body) or raw bytes (content) with a JSON Content-Type unless given."""
-    import json
-
     h = {"Content-Type": "application/json"}
     h.update(headers or {})
     data = content if content is not None else json.dumps(body)

@@ -1,17 +1,14 @@
-"""The chat app (apps/chat): engine cache reuse, save/resume, the CLI, the
-OpenAI-compatible API under bad input and concurrency, and the page in
-headless Chromium. Server tests start `python -m apps.chat` on a free loopback
-port in a subprocess and always stop it."""
+"""The chat app (apps/chat): the terminal chat's engine (cache reuse,
+save/resume, the CLI), and `python -m apps.chat` (kvarn_mlx.server with the
+page) in a subprocess on the embedded model: the OpenAI API under bad input,
+saved chats, and the page in headless Chromium, streaming from
+/v1/chat/completions with its memory panel from /v1/kv_stats."""
 
 import io
 import json
 import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -112,7 +109,6 @@ def test_engine_memory_figures(smollm):
     s = d["stats"]
     assert s["tiles_per_layer"] >= 2 and s["ratio_plain"] > 1 and s["ratio_fp16"] > 0
     assert s["ratio_plain"] == pytest.approx(s["plain"] / s["held"]) and s["ratio_fp16"] == pytest.approx(s["fp16"] / s["held"])
-    assert s["history"][-1] == [s["context_tokens"], s["held"], s["plain"], s["fp16"]]
 
 
 def test_engine_save_and_resume(engine, smollm, tmp_path):
@@ -150,7 +146,7 @@ def test_engine_refuses_bad_turns(engine):
         list(engine.chat([{"role": "user", "content": " word" * 9000}]))
     with pytest.raises(ChatError, match="last message"):
         list(engine.chat([{"role": "assistant", "content": "hi"}]))
-    with pytest.raises(ChatError, match="unknown KV preset"):
+    with pytest.raises(ChatError, match="unknown KVarN preset"):
         engine.use(preset="k3v3")
     with pytest.raises(ChatError, match="unknown model"):
         engine.use("no-such-model")
@@ -172,86 +168,44 @@ def test_cli_commands(smollm, tmp_path):
     assert "resumed 2 messages" in out.getvalue()
 
 
-# -- the server (subprocess) --------------------------------------------------
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# -- python -m apps.chat (subprocess, embedded model) ----------------------------------
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    for mod in ("starlette", "uvicorn", "sse_starlette", "httpx"):
-        pytest.importorskip(mod, reason="the web app needs the 'app' extra: pip install -e '.[app]'")
-    import httpx
+    from chat_server import chat_app
 
-    port, tmp = free_port(), tmp_path_factory.mktemp("chat")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if os.path.exists(BLAS) and "LD_PRELOAD" not in env:
-        env["LD_PRELOAD"] = BLAS
-    log = open(tmp / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "apps.chat", "--port", str(port), "--max-tokens", str(MAX_TOKENS),
-                             "--save-dir", str(tmp / "saved")], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"the chat server did not come up:\n{log.read()}")
-            try:
-                if httpx.get(url + "/api/health", timeout=2).json()["ready"]:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    saved = tmp_path_factory.mktemp("chat") / "saved"
+    with chat_app(saved, "--max-tokens", str(MAX_TOKENS), "--kv-preset", "k4v2_g128") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
 
 
-def post(url, body, timeout=60, **kw):
+def post(url, body, timeout=120, headers=None):
     import httpx
 
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(url, content=data, headers={"Content-Type": "application/json"}, timeout=timeout, **kw)
+    return httpx.post(url, content=data, headers={"Content-Type": "application/json", **(headers or {})},
+                      timeout=timeout)
 
 
 def user(text):
     return [{"role": "user", "content": text}]
 
 
-def ok_request(server, max_tokens=3):
-    r = post(server + "/v1/chat/completions", {"model": "SmolLM2-135M-Instruct", "messages": user("Hi"),
-                                                "max_tokens": max_tokens})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_openai_client(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server + "/v1", api_key="local", timeout=120, max_retries=0)
-    assert "SmolLM2-135M-Instruct" in [m.id for m in client.models.list().data]
-
-    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=user("What is the capital of France?"),
+    r = client.chat.completions.create(model="default_model", messages=user("What is the capital of France?"),
                                        max_tokens=8, temperature=0)
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content.strip()
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.completion_tokens <= 8 and r.usage.prompt_tokens > 10
 
-    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=user("Count to five."),
-                                            max_tokens=8, stream=True, stream_options={"include_usage": True},
-                                            extra_body={"kv_preset": "k4v2_g64"})
-    pieces, finish, usage = [], None, None
+    stream = client.chat.completions.create(model="default_model", messages=user("Count to five."),
+                                            max_tokens=8, stream=True, stream_options={"include_usage": True})
+    pieces, finish, usage, ids = [], None, None, set()
     for chunk in stream:
+        ids.add(chunk.id)
         if chunk.usage:
             usage = chunk.usage
         for c in chunk.choices:
@@ -259,92 +213,40 @@ def test_openai_client(server):
             finish = c.finish_reason or finish
     assert len([p for p in pieces if p]) > 1 and "".join(pieces).strip()
     assert finish in ("stop", "length") and usage.completion_tokens >= 1
+    # The page's memory panel: the figures of the cache this reply left on the server.
+    import httpx
 
-    with pytest.raises(openai.NotFoundError, match="unknown model"):
-        client.chat.completions.create(model="gpt-4o", messages=user("hi"), max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="unknown KV preset"):
-        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=user("hi"), max_tokens=2,
-                                       extra_body={"kv_preset": "k8v8"})
+    (rid,) = ids
+    deadline = time.monotonic() + 60
+    while (s := httpx.get(f"{server}/v1/kv_stats?request={rid}", timeout=10).json())["request"] is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    fig = s["request"]
+    assert s["kv_preset"] == "k4v2_g128" and fig["kvarn_layers"] == fig["layers"] == 30
+    assert usage.prompt_tokens < fig["tokens"] <= usage.prompt_tokens + usage.completion_tokens
+    assert fig["tiles"] == 0 and fig["held"] == fig["plain"] == 2 * fig["fp16"]  # float32, no tile yet
 
 
 def test_bad_input_leaves_server_up(server):
     api = server + "/v1/chat/completions"
-    cases = [
-        ({"messages": user("")}, 400, "empty message"),
-        ({"messages": user(" \n ")}, 400, "empty message"),
-        ({"messages": user(" word" * 9000)}, 400, "8192-token context"),
-        ("{not json", 400, "malformed JSON"),
-        ("[1, 2]", 400, "JSON object"),
-        ({"messages": "hi"}, 400, "non-empty list"),
-        ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
-        ({"model": "nope", "messages": user("hi")}, 404, "unknown model"),
-        ({"messages": user("hi"), "kv_preset": "k3v1"}, 400, "unknown KV preset"),
+    cases = [  # mlx-lm's checks, before the request is queued
+        ("{not json", 400, "Invalid JSON"),
+        ("[1, 2]", 400, "JSON dictionary"),
         ({"messages": user("hi"), "max_tokens": -5}, 400, "max_tokens"),
         ({"messages": user("hi"), "max_tokens": "lots"}, 400, "max_tokens"),
+        ({"messages": user("hi"), "temperature": -1}, 400, "temperature"),
+        ({"messages": user("hi"), "stream": "yes"}, 400, "stream"),
     ]
     for body, status, text in cases:
-        for path in (api, server + "/api/chat"):  # the page's endpoint validates the same way
-            r = post(path, body)
-            assert r.status_code == status, (body if isinstance(body, str) else str(body)[:80], r.text)
-            assert text in r.json()["error"]["message"]
-    # Far beyond any context: refused by size before tokenizing.
-    r = post(api, {"messages": user("x" * 5_000_000)})
-    assert r.status_code == 413
-    r = post(server + "/api/save", {"name": "../escape"})
+        r = post(api, body)
+        assert r.status_code == status, (body if isinstance(body, str) else str(body)[:80], r.text)
+        assert text in json.dumps(r.json())
+    r = post(api, "{}", headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415
+    r = post(server + "/api/save", {"name": "../escape", "messages": user("hi")})
     assert r.status_code == 400 and "chat name" in r.json()["error"]["message"]
-    assert ok_request(server)["choices"][0]["message"]["content"]
-
-
-def stream_lines(server, text, max_tokens, lines, started=None):
-    """Stream a completion, appending raw SSE lines to `lines`."""
-    import httpx
-
-    body = {"messages": user(text), "max_tokens": max_tokens, "stream": True}
-    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line:
-                continue
-            lines.append(line)
-            if started is not None and '"role": "assistant"' in line:
-                started.set()
-
-
-def test_two_clients_are_served_in_order(server):
-    first, second, started = [], [], threading.Event()
-    t1 = threading.Thread(target=stream_lines, args=(server, "Tell me about cats.", 12, first, started))
-    t1.start()
-    assert started.wait(60)
-    t2 = threading.Thread(target=stream_lines, args=(server, "Tell me about dogs.", 4, second))
-    t2.start()
-    t1.join(120)
-    t2.join(120)
-    assert not t1.is_alive() and not t2.is_alive()
-    for lines in (first, second):
-        assert lines[-1] == "data: [DONE]" and sum('"content": "' in x for x in lines) > 1
-    # The second client was told it waits, before its first token.
-    queued = [i for i, x in enumerate(second) if x.startswith(": queued: 1 request")]
-    tokens = [i for i, x in enumerate(second) if '"delta": {"content"' in x]
-    assert queued and queued[0] < tokens[0]
-
-
-def test_page_save_and_resume_api(server):
-    import httpx
-
-    assert post(server + "/api/new", {"preset": "fp16"}).status_code == 200
-    r = post(server + "/api/chat", {"messages": user("Name a planet."), "max_tokens": 4})
-    assert r.status_code == 200 and "event: done" in r.text
-    r = post(server + "/api/save", {"name": "planets"})
-    assert r.status_code == 200, r.text
-    assert "planets" in httpx.get(server + "/api/chats", timeout=5).json()["chats"]
-    assert post(server + "/api/new", {"preset": "k4v2_g128"}).json()["context_tokens"] == 0
-    r = post(server + "/api/load", {"name": "planets"})
-    assert r.status_code == 200, r.text
-    out = r.json()
-    assert out["messages"][0]["content"] == "Name a planet." and out["stats"]["preset"] == "fp16"
-    assert out["stats"]["context_tokens"] > 0
-    assert post(server + "/api/load", {"name": "nothing-here"}).status_code == 404
-    assert post(server + "/api/new", {"preset": "k9"}).status_code == 400
+    r = post(api, {"messages": user("Hi"), "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
 
 
 # -- the page in headless Chromium ------------------------------------------
@@ -367,7 +269,11 @@ def test_page_end_to_end(server):
 
 
 def _drive_page(p, server):
-    """Two messages through the page; checks streaming and the memory panel; saves a screenshot."""
+    """Two chats through the page (the server's preset: k4v2_g128); checks streaming, the memory
+    panel before and after the first tile, saving and resuming; saves a screenshot."""
+    from kvarn_mlx import memory
+    from kvarn_mlx.config import PRESETS
+
     browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000,
                                 env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
     try:
@@ -375,22 +281,29 @@ def _drive_page(p, server):
         page.set_default_timeout(150_000)
         page.goto(server + "/")
         page.wait_for_selector("body[data-ready='1']")
-        page.select_option("#preset", "k4v2_g128")
-        page.click("#new")
-        page.wait_for_function("document.getElementById('ctx').textContent.startsWith('0 /')")
+        assert page.inner_text("#preset") == "k4v2_g128"
         # A short first turn: no tile yet, and the panel says so instead of showing a ratio.
-        from kvarn_mlx import memory
-        from kvarn_mlx.config import PRESETS
-
         page.fill("#input", "Hi!")
         page.click("#send")
         page.wait_for_selector(".msg.assistant[data-idx='1'][data-done='1']")
+        page.wait_for_function("document.getElementById('ctx').textContent !== '0'")
         start = memory.saving_starts_at(PRESETS["k4v2_g128"], 64, 4)
         assert page.inner_text("#ratio") == "–"
         assert f"No tile quantized yet: every token is held in float32, as in mlx-lm's plain cache. KVarN starts " \
                f"saving memory from token {start}." == page.inner_text("#saving")
+        assert re.fullmatch(r"\d+ new, \d+ reused", page.inner_text("#reuse"))
+        # Saved and resumed: the same messages come back.
+        page.once("dialog", lambda d: d.accept("hello-chat"))
+        page.click("#save")
+        page.wait_for_function("document.getElementById('status').textContent.startsWith('saved to')")
+        first = page.inner_text("#messages")
         page.click("#new")
-        page.wait_for_function("document.getElementById('ctx').textContent.startsWith('0 /')")
+        page.wait_for_function("document.getElementById('ctx').textContent === '0'")
+        assert not page.query_selector_all(".msg")
+        page.select_option("#resume", "hello-chat")
+        page.wait_for_function("document.getElementById('status').textContent.startsWith('resumed hello-chat')")
+        assert page.inner_text("#messages") == first
+        page.click("#new")
 
         def say(text, n):
             page.fill("#input", text)
@@ -404,6 +317,7 @@ def _drive_page(p, server):
             el = page.query_selector(reply)
             assert int(el.get_attribute("data-chunks")) > 1  # ...and it came in several pieces
             assert el.inner_text().strip()
+            page.wait_for_function(f"document.getElementById('chart').dataset.points === '{n + 1}'")  # and 0
             return float(page.inner_text("#ratio").rstrip("×"))
 
         # A long first message (~900 tokens): whole tiles get quantized, so the ratio is real.
@@ -411,16 +325,25 @@ def _drive_page(p, server):
         ratio2 = say("Thanks. What is the *assert* statement for?", 2)
         assert ratio1 > 1 and ratio2 > 1, (ratio1, ratio2)
         assert "per layer" in page.inner_text("#tiles") and not page.inner_text("#tiles").startswith("0 ")
+        # The second turn reused the first from the server's prompt cache.
+        new, reused = map(int, re.fullmatch(r"(\d+) new, (\d+) reused", page.inner_text("#reuse")).groups())
+        assert reused > 500 and new < 40, (new, reused)
         assert len(page.query_selector_all("#chart polyline")) == 3
         assert "(float32)" in page.inner_text("#plain-label") and page.inner_text("#ratio16").endswith("×")
+        assert "prompt cache: " in page.inner_text("#server")
         page.screenshot(path=str(ARTIFACTS / "chat.png"))
     finally:
         browser.close()
 
 
 def test_only_loopback_is_quiet():
-    from apps.chat.__main__ import is_loopback, parse_args
+    from apps.chat.__main__ import PORT, arg_parser, flag, is_loopback, network_warning
 
-    assert parse_args([]).host == "127.0.0.1"
+    assert flag([], "--host", "127.0.0.1") == "127.0.0.1" and flag(["--host=::"], "--host") == "::"
+    assert PORT == 8321 and arg_parser().parse_known_args([])[0].save_dir.name == "chats"
     assert all(map(is_loopback, ("127.0.0.1", "::1", "localhost", "127.0.0.2")))
     assert not any(map(is_loopback, ("0.0.0.0", "::", "192.168.1.5", "example.com")))
+    assert network_warning("127.0.0.1", None) is None
+    assert "reachable from the network" in network_warning("0.0.0.0", None) and "--api-key" in \
+        network_warning("0.0.0.0", None)
+    assert "travels unencrypted" in network_warning("0.0.0.0", "k")

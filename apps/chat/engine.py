@@ -1,7 +1,7 @@
-"""The chat engine: one loaded model and one KV cache kept across turns.
+"""The terminal chat's engine (--cli): one loaded model and one KV cache kept
+across turns, in this process. (The web page talks to kvarn_mlx.server.)
 
-Everything here calls MLX, so an Engine must be used from one thread only
-(the server runs it in its worker thread; the CLI in the main thread).
+Everything here calls MLX, so an Engine must be used from one thread only.
 
 Each turn gets the whole conversation. The engine tokenizes it, keeps the
 longest prefix already in the cache (trimming the rest: edits, regenerations,
@@ -16,17 +16,14 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from kvarn_mlx import memory, prompt_cache
-from kvarn_mlx.cache import KVarNCache
 from kvarn_mlx.integration import make_cache
-from kvarn_mlx.config import DEFAULT_PRESET, FP16, PRESETS
+from kvarn_mlx.config import DEFAULT_PRESET, FP16, PRESETS, get_preset
 from kvarn_mlx.loader import DEFAULT_NAME, load
 
 from .errors import ChatError
 from .validate import check_messages
 
 PRESET_NAMES = (*PRESETS, FP16)
-STATS_EVERY = 8  # tokens between live stats events while decoding
-HISTORY_MAX = 400  # chart points kept per conversation
 
 
 def model_id(spec):
@@ -35,27 +32,14 @@ def model_id(spec):
 
 
 def check_preset(preset):
-    if preset not in PRESET_NAMES:
-        raise ChatError(f"unknown KV preset {preset!r}; valid presets: {', '.join(PRESET_NAMES)}",
-                        code="invalid_preset", param="kv_preset")
+    """A preset name make_cache takes: fp16, or any name kvarn_mlx.config.get_preset knows."""
+    if preset != FP16:
+        try:
+            get_preset(preset)
+        except ValueError as e:
+            raise ChatError(f"{e}; or {FP16} (mlx-lm's plain cache)", code="invalid_preset",
+                            param="kv_preset") from None
     return preset
-
-
-def find_stop(text, stops, new_from):
-    """Where the earliest stop string starts in text, looking only at matches
-    that end in text[new_from:] (the rest was searched before); None if none."""
-    hits = []
-    for s in stops:
-        i = text.find(s, max(0, new_from - len(s) + 1))
-        if i >= 0:
-            hits.append(i)
-    return min(hits, default=None)
-
-
-def held_back(text, stops):
-    """How many trailing characters of text could begin a stop string."""
-    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
-               default=0)
 
 
 class Engine:
@@ -92,9 +76,7 @@ class Engine:
         self.cache = make_cache(self.model, self.preset)
         self.tokens = []  # token ids held by the cache, in order
         self.messages = []  # the conversation the cache holds (for saving)
-        self.history = []  # chart points [context, held bytes, plain-cache bytes, 2-byte bytes]
         self.last = {"tps": 0.0, "prompt_tps": 0.0, "prefilled": 0, "reused": 0}
-        self._point()
 
     def prompt_ids(self, messages):
         if self.tokenizer.has_chat_template:
@@ -102,9 +84,6 @@ class Engine:
         # No template: a plain transcript.
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         return self.tokenizer.encode(text)
-
-    def count_tokens(self, messages):
-        return len(self.prompt_ids(check_messages(messages)))
 
     def _reuse(self, ids):
         """Trim the cache to the longest common prefix with ids; return its length.
@@ -124,10 +103,9 @@ class Engine:
 
     # -- a turn ----------------------------------------------------------------
 
-    def chat(self, messages, max_tokens=None, temp=None, top_p=1.0, stop=(), seed=None, cancel=None):
+    def chat(self, messages, max_tokens=None, temp=None, cancel=None):
         """Answer the conversation; yields events (dicts with a "type"):
-        start {reused, prefill}, token {text}, stats {...}, done {text, finish_reason, usage, stats}.
-        stop: strings that end the reply, as OpenAI's `stop` (not part of the text).
+        start {reused, prefill}, token {text}, done {text, finish_reason, usage, stats}.
         cancel: a threading.Event; when set, generation ends after the current token."""
         messages = check_messages(messages)
         ids = self.prompt_ids(messages)
@@ -140,42 +118,28 @@ class Engine:
             raise ChatError("max_tokens must be at least 1", param="max_tokens")
         max_tokens = min(max_tokens, self.context - len(ids))
         temp = self.default_temp if temp is None else float(temp)
-        if seed is not None:
-            mx.random.seed(seed)
 
         reused = self._reuse(ids)
         yield {"type": "start", "reused": reused, "prefill": len(ids) - reused, "prompt_tokens": len(ids)}
-        gen, text, shown, finish, eos, last = [], "", 0, "stop", False, None
+        gen, text, finish, eos, last = [], "", "stop", False, None
         stream = stream_generate(self.model, self.tokenizer, ids[reused:], max_tokens=max_tokens,
-                                 sampler=make_sampler(temp, top_p), prompt_cache=self.cache)
+                                 sampler=make_sampler(temp), prompt_cache=self.cache)
         start = time.perf_counter()
         try:
             for r in stream:
                 last = r
                 gen.append(r.token)
                 text += r.text
-                cut = find_stop(text, stop, len(text) - len(r.text))
-                if cut is not None:
-                    text, finish = text[:cut], "stop"
-                    break
-                # Text that may be the start of a stop string waits for the next token.
-                safe = len(text) - held_back(text, stop)
-                if safe > shown:
-                    yield {"type": "token", "text": text[shown:safe]}
-                    shown = safe
+                if r.text:
+                    yield {"type": "token", "text": r.text}
                 if r.finish_reason:
                     finish, eos = r.finish_reason, r.finish_reason == "stop"
                 if cancel is not None and cancel.is_set():
                     finish = "cancelled"
                     break
-                if len(gen) % STATS_EVERY == 0:
-                    self.last.update(tps=r.generation_tps, prompt_tps=r.prompt_tps)
-                    yield {"type": "stats", **self.stats(point=True)}
         finally:
             stream.close()
             self._settle(ids + gen)
-        if len(text) > shown:
-            yield {"type": "token", "text": text[shown:]}
         if last is not None:
             self.last.update(tps=last.generation_tps, prompt_tps=last.prompt_tps)
         self.last.update(prefilled=len(ids) - reused, reused=reused, seconds=time.perf_counter() - start)
@@ -184,7 +148,7 @@ class Engine:
         yield {"type": "done", "text": text, "finish_reason": finish,
                "usage": {"prompt_tokens": len(ids), "completion_tokens": n_gen,
                          "total_tokens": len(ids) + n_gen},
-               "stats": self.stats(point=True)}
+               "stats": self.stats()}
 
     def _settle(self, fed):
         """Record which tokens the cache now holds. mlx-lm feeds each sampled
@@ -198,31 +162,15 @@ class Engine:
 
     # -- stats -----------------------------------------------------------------
 
-    def _point(self):
-        m = memory.cache_bytes(self.cache)
-        point = [self.cache[0].offset, m["held"], m["plain"], m["fp16"]]
-        if not self.history or self.history[-1] != point:
-            self.history.append(point)
-            del self.history[:-HISTORY_MAX]
-        return m
-
-    def stats(self, point=False):
-        """The memory panel: KV bytes held against mlx-lm's plain cache in the
-        model's dtype and, separately, the 2-byte (fp16) equivalent. Before the
-        first tile is quantized, saving_from says from which token KVarN saves."""
-        m = self._point() if point else memory.cache_bytes(self.cache)
-        kvarn = [c for c in self.cache if isinstance(c, KVarNCache) and not c.empty()]
-        dtype = memory.kv_dtype(self.cache)
-        saving_from = None
-        if kvarn and dtype is not None:
-            c = kvarn[0]
-            saving_from = memory.saving_starts_at(c.config, c.sink_k.shape[-1], dtype.size)
+    def stats(self):
+        """The CLI's stats line: KV bytes held against mlx-lm's plain cache in the
+        model's dtype and the 2-byte (fp16) equivalent (memory.panel)."""
+        m = memory.panel(self.cache)
         return {"model": self.name, "preset": self.preset, "context_tokens": self.cache[0].offset,
-                "context_limit": self.context, "dtype": None if dtype is None else str(dtype).removeprefix("mlx.core."),
-                "held": m["held"], "unused": m["unused"], "plain": m["plain"], "fp16": m["fp16"],
-                "ratio_plain": m["ratio_plain"], "ratio_fp16": m["ratio_fp16"], "tiles_per_layer": m["tiles"],
-                "kvarn_layers": m["kvarn_layers"], "layers": m["layers"], "saving_from": saving_from, **self.last,
-                "history": list(self.history)}
+                "context_limit": self.context, "dtype": m["dtype"], "held": m["held"], "unused": m["unused"],
+                "plain": m["plain"], "fp16": m["fp16"], "ratio_plain": m["ratio_plain"],
+                "ratio_fp16": m["ratio_fp16"], "tiles_per_layer": m["tiles"], "kvarn_layers": m["kvarn_layers"],
+                "layers": m["layers"], "saving_from": m["saving_from"], **self.last}
 
     # -- files -----------------------------------------------------------------
 
@@ -268,6 +216,4 @@ class Engine:
                             f"{len(tokens)}; the file is damaged")
         self.use(name, meta.get("preset", self.preset))
         self.cache, self.tokens, self.messages = cache, tokens, messages
-        self.history = []
-        self._point()
         return messages

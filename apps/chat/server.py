@@ -1,374 +1,150 @@
-"""The web server: the chat page, its JSON/SSE API, and an OpenAI-compatible API.
+"""The chat page on python -m kvarn_mlx.server: one server for the page and the API.
 
-/api/* serves the page (named SSE events); /v1/* follows OpenAI's chat
-completions format so other clients work. Both queue jobs on the same Worker.
+ChatHandler is kvarn_mlx.server's request handler (mlx-lm's server on KVarN
+caches, behind kvarn_mlx.guard's checks) plus:
+- GET /: the page. It holds no conversation, so it is served without the API
+  key; it asks for the key and sends it as a Bearer token like any client.
+- GET /api/chats, POST /api/save, POST /api/load: saved conversations, JSON
+  files in --save-dir, written atomically and never over a file they did not write.
 
-Every request first passes guard.py's checks (Host, Origin, API key); a JSON
-body is read up to a size limit and checked completely (validate.py) before
-any job is queued. With an API key, the page itself (static, no conversation
-in it) is served without one: it asks the user for the key, keeps it in the
-tab's sessionStorage and sends it as a Bearer token like any other client.
+The page itself streams replies from /v1/chat/completions and reads its memory
+panel from /v1/kv_stats (?request= its last reply's id).
 """
 
-import asyncio
 import json
+import os
 import re
-import time
-import uuid
+import tempfile
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import Headers
-from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect
-from starlette.responses import FileResponse, JSONResponse
-from starlette.routing import Route
+from kvarn_mlx import server
+from kvarn_mlx.guard import Refused
 
-from .engine import PRESET_NAMES
-from .errors import ChatError
-from .guard import check_api_key, check_host, check_json_type, check_origin
-from .validate import check_chat_request, check_name, only_fields, parse_json
-from .worker import END, Worker
+from .validate import ROLES, only_fields, parse_json
 
 STATIC = Path(__file__).parent / "static"
+FORMAT = "kvarn-chat"  # the saved files' marker: only files carrying it are ever replaced
 MAX_BODY = 4 << 20  # bytes; far beyond any context this app can hold
-CHARS_PER_TOKEN_MAX = 32  # a body longer than context * this cannot fit: refuse before tokenizing
-POLL = 0.5  # seconds between queue-position updates and disconnect checks
-PUBLIC = ("/",)  # served without the API key: the static page
-_TIMEOUT = object()
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,63}")
 
 
-def error(message, status=400, code="invalid_request_error", param=None):
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse({"error": {"message": message, "type": kind, "code": code, "param": param}},
-                        status_code=status, headers=headers)
+# -- saved chats ------------------------------------------------------------------------
 
 
-def error_from(e: ChatError):
-    return error(str(e), e.status, e.code, e.param)
+def chat_path(save_dir, data):
+    """The file a {"name": ...} body names in save_dir (NAME.json)."""
+    name = data.get("name")
+    if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name.removesuffix(".json")):
+        raise Refused("a chat name is 1-64 letters, digits, '.', '_' or '-'", param="name")
+    return Path(save_dir) / (name.removesuffix(".json") + ".json")
 
 
-class Guard:
-    """ASGI middleware: refuse requests naming another Host, coming from
-    another web page's Origin, or without the API key. No CORS headers are
-    ever sent, so browsers keep other pages from reading any answer."""
-
-    def __init__(self, app, allowed_hosts=(), allowed_origins=(), api_key=None):
-        self.app, self.api_key = app, api_key
-        self.allowed_hosts = {h.strip().lower() for h in allowed_hosts}
-        self.allowed_origins = {o.strip().lower().rstrip("/") for o in allowed_origins}
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            headers = Headers(scope=scope)
-            try:
-                local = (scope.get("server") or (None,))[0]
-                check_host(headers.get("host"), local, self.allowed_hosts)
-                check_origin(headers.get("origin"), headers.get("host"), scope.get("scheme", "http"),
-                             self.allowed_origins)
-                if scope["path"] not in PUBLIC:
-                    check_api_key(headers.get("authorization"), self.api_key)
-            except ChatError as e:
-                await error_from(e)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+def check_transcript(messages):
+    """A saved conversation: a list of {"role", "content": text} (any last role)."""
+    if not isinstance(messages, list) or not messages:
+        raise Refused("messages must be a non-empty list", param="messages")
+    for m in messages:
+        if not isinstance(m, dict) or set(m) != {"role", "content"} or m["role"] not in ROLES \
+                or not isinstance(m["content"], str):
+            raise Refused(f"messages: each message is {{\"role\": one of {', '.join(ROLES)}, \"content\": "
+                          "text}", param="messages")
+    return messages
 
 
-async def read_json(request, limit=MAX_BODY):
-    """The JSON body, refused (413) as soon as it passes `limit` bytes: by its
-    declared length, or while it streams in (chunked bodies have none)."""
-    check_json_type(request.headers.get("content-type"))
-    too_large = ChatError(f"request body too large (limit {limit} bytes)", code="request_too_large", status=413)
+def read_chat(path, limit=MAX_BODY):
+    """The saved file's parsed JSON if it is a saved chat, else None."""
     try:
-        declared = int(request.headers.get("content-length") or 0)
-    except ValueError:
-        raise ChatError("bad Content-Length header")
-    if declared > limit:
-        raise too_large
-    body = bytearray()
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > limit:
+            return None
+        data = parse_json(path.read_bytes())
+    except (OSError, Refused):
+        return None
+    return data if data.get("format") == FORMAT else None
+
+
+def save_chat(save_dir, data):
+    data = only_fields(data, ("name", "messages"))
+    path = chat_path(save_dir, data)
+    messages = check_transcript(data.get("messages"))
+    if (path.exists() or path.is_symlink()) and read_chat(path) is None:
+        raise Refused(f"{path} exists and is not a saved chat; refusing to overwrite it. Pick another name",
+                      code="cannot_save", status=409, param="name")
     try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
-    except ClientDisconnect:  # nobody is left to answer; just do no work
-        raise ChatError("the client left before sending the whole body", code="client_disconnected")
-    return parse_json(bytes(body))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise Refused(f"cannot save to {path.parent}: {e.strerror}", code="cannot_save", status=500)
+    try:  # a temp file, then a rename: an interrupted save leaves the old file or none
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"format": FORMAT, "version": 1, "messages": messages}, f, ensure_ascii=False)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a saved chat is an ordinary file
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise Refused(f"could not save to {path}: {e.strerror}", code="cannot_save", status=500)
+    return {"name": path.stem, "file": str(path)}
 
 
-def create_app(worker: Worker, save_dir: Path, allowed_hosts=(), allowed_origins=(), api_key=None,
-               max_body=MAX_BODY):
-    """The app. allowed_hosts: Host names accepted besides localhost names and
-    the address a connection arrived on; allowed_origins: web origins besides
-    the page's own; api_key: the Bearer token every endpoint but the page needs."""
+def load_chat(save_dir, data):
+    path = chat_path(save_dir, only_fields(data, ("name",)))
+    if not path.exists():
+        raise Refused(f"no saved chat at {path}", code="not_found", status=404, param="name")
+    saved = read_chat(path)
+    if saved is None:
+        raise Refused(f"{path} is not a saved chat", param="name")
+    try:
+        return {"name": path.stem, "messages": check_transcript(saved.get("messages"))}
+    except Refused as e:
+        raise Refused(f"{path} is damaged: {e}", param="name")
+
+
+def chat_names(save_dir):
     save_dir = Path(save_dir)
-    last_stats = {}
+    return sorted(p.stem for p in save_dir.glob("*.json")) if save_dir.is_dir() else []
 
-    def engine():
-        if not worker.ready.is_set():
-            raise ChatError("the model is still loading; try again in a moment", code="loading", status=503)
-        if worker.engine is None:
-            raise ChatError(f"the model failed to load: {worker.error}", code="server_error", status=503)
-        return worker.engine
 
-    async def body(request):
-        return await read_json(request, max_body)
+# -- requests ---------------------------------------------------------------------------
 
-    async def check_request(data):
-        """Validate a chat request before queueing it; returns the engine arguments."""
-        eng = engine()
-        args = check_chat_request(data, list(eng.specs), PRESET_NAMES, eng.context)
-        args["model"] = model = args["model"] or eng.name
-        args["preset"] = args["preset"] or eng.preset
-        chars = sum(len(m["content"]) for m in args["messages"])
-        if chars > eng.context * CHARS_PER_TOKEN_MAX:
-            raise ChatError(f"the conversation is {chars} characters, far beyond {model}'s "
-                            f"{eng.context}-token context; shorten the message or start a new chat",
-                            code="context_length_exceeded", param="messages")
-        if model == eng.name:
-            # The tokenizer is plain Python/Rust (no MLX): counting here gives a
-            # proper HTTP 400 instead of an error in the middle of a stream.
-            n = await run_in_threadpool(eng.count_tokens, args["messages"])
-            if n >= eng.context:
-                raise ChatError(f"the conversation is {n} tokens but {model} has a {eng.context}-token "
-                                "context; shorten the message or start a new chat",
-                                code="context_length_exceeded", param="messages")
-        return args
 
-    def submit_chat(args):
-        def fn(job):
-            eng = worker.engine
-            eng.use(args["model"], args["preset"])
-            return eng.chat(args["messages"], args["max_tokens"], args["temp"],
-                            1.0 if args["top_p"] is None else args["top_p"], stop=args["stop"], seed=args["seed"],
-                            cancel=job.cancel)
-        return worker.submit(fn)
+class ChatHandler(server.APIHandler):
+    """kvarn_mlx.server's handler plus the page and the saved chats."""
 
-    async def events(job, request=None):
-        """A job's events; `queued` events while it waits. Leaving (done, or the
-        client went away: sse-starlette cancels us) cancels the job."""
-        loop = asyncio.get_running_loop()
-        next_check = loop.time() + POLL
+    def do_GET(self):
+        path = urlsplit(self.path).path
+        if path == "/":
+            if not self._refused(post=False, public=True):
+                self._send(200, (STATIC / "index.html").read_bytes(), "text/html; charset=utf-8")
+        elif path == "/api/chats":
+            if not self._refused(post=False):
+                save_dir = self.settings.save_dir
+                self._send_json({"chats": chat_names(save_dir), "dir": str(save_dir)})
+        else:
+            super().do_GET()
+
+    def do_POST(self):
+        act = {"/api/save": save_chat, "/api/load": load_chat}.get(urlsplit(self.path).path)
+        if act is None:
+            return super().do_POST()
+        if self._refused(post=True):
+            return
         try:
-            if worker.position(job):
-                yield {"type": "queued", "position": worker.position(job)}
-            while True:
-                try:
-                    ev = await asyncio.wait_for(job.events.get(), POLL)
-                except asyncio.TimeoutError:
-                    ev = _TIMEOUT
-                # Checked by the clock: while tokens flow the queue never times out.
-                if loop.time() >= next_check:
-                    next_check = loop.time() + POLL
-                    if request is not None and await request.is_disconnected():
-                        return
-                    if not job.started:
-                        yield {"type": "queued", "position": worker.position(job)}
-                if ev is _TIMEOUT:
-                    continue
-                if ev is END:
-                    return
-                if ev["type"] == "stats":
-                    last_stats.update(ev)
-                elif ev["type"] == "done":
-                    last_stats.update(ev["stats"])
-                yield ev
-        finally:
-            job.cancel.set()
+            out = act(self.settings.save_dir, parse_json(self.read_body(MAX_BODY)))
+        except Refused as e:
+            return self.send_error_json(e)
+        self._send_json(out)
 
-    async def run_simple(fn):
-        """Run fn(engine) on the worker and return its result (or raise ChatError)."""
-        engine()
-        job = worker.submit(lambda job: fn(worker.engine))
-        result = None
-        async for ev in events(job):
-            if ev["type"] == "error":
-                raise ChatError(ev["message"], ev["code"], ev["status"], ev.get("param"))
-            if ev["type"] == "result":
-                result = ev["value"]
-        return result
+    def _send_json(self, data):
+        self._send(200, json.dumps(data).encode(), "application/json")
 
-    # -- the page -------------------------------------------------------------
-
-    async def index(request):
-        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
-
-    async def health(request):
-        return JSONResponse({"ready": worker.ready.is_set() and worker.engine is not None,
-                             "loading": not worker.ready.is_set(), "error": worker.error,
-                             "queued": worker.busy()})
-
-    async def info(request):
-        try:
-            eng = engine()
-        except ChatError as e:
-            return error_from(e)
-        return JSONResponse({"models": list(eng.specs), "presets": list(PRESET_NAMES), "model": eng.name,
-                             "preset": eng.preset, "max_tokens": eng.default_max_tokens,
-                             "messages": eng.messages, "stats": last_stats or worker.initial_stats})
-
-    async def stats(request):
-        return JSONResponse(last_stats or worker.initial_stats)
-
-    async def api_chat(request):
-        try:
-            args = await check_request(await body(request))
-        except ChatError as e:
-            return error_from(e)
-        job = submit_chat(args)
-
-        async def stream():
-            async for ev in events(job):
-                yield ServerSentEvent(json.dumps(ev), event=ev["type"])
-
-        return EventSourceResponse(stream(), ping=10)
-
-    async def api_new(request):
-        try:
-            data = only_fields(await body(request), ("model", "preset"))
-            model = check_name(data, "model", list(engine().specs))
-            preset = check_name(data, "preset", PRESET_NAMES)
-
-            def fn(eng):
-                eng.use(model, preset)
-                eng.new_chat()
-                return eng.stats(point=True)
-
-            s = await run_simple(fn)
-        except ChatError as e:
-            return error_from(e)
-        last_stats.clear()
-        last_stats.update(s)
-        return JSONResponse(s)
-
-    def chat_file(data):
-        name = only_fields(data, ("name",)).get("name")
-        if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name.removesuffix(".safetensors")):
-            raise ChatError("a chat name is 1-64 letters, digits, '.', '_' or '-'", param="name")
-        return save_dir / (name.removesuffix(".safetensors") + ".safetensors")
-
-    async def api_save(request):
-        try:
-            path = chat_file(await body(request))
-
-            def fn(eng):
-                try:
-                    save_dir.mkdir(parents=True, exist_ok=True)
-                except OSError as e:
-                    raise ChatError(f"cannot create the chats folder {save_dir}: {e}", "cannot_save", 500)
-                return str(eng.save(path))
-
-            await run_simple(fn)
-        except ChatError as e:
-            return error_from(e)
-        return JSONResponse({"name": path.stem, "file": str(path)})
-
-    async def api_load(request):
-        try:
-            path = chat_file(await body(request))
-
-            def fn(eng):
-                messages = eng.load(path)
-                return {"messages": messages, "stats": eng.stats(point=True)}
-
-            out = await run_simple(fn)
-        except ChatError as e:
-            return error_from(e)
-        last_stats.clear()
-        last_stats.update(out["stats"])
-        return JSONResponse(out)
-
-    async def api_chats(request):
-        names = sorted(p.stem for p in save_dir.glob("*.safetensors")) if save_dir.is_dir() else []
-        return JSONResponse({"chats": names, "dir": str(save_dir)})
-
-    # -- OpenAI-compatible ----------------------------------------------------
-
-    async def v1_models(request):
-        try:
-            eng = engine()
-        except ChatError as e:
-            return error_from(e)
-        return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "local"} for name in eng.specs]})
-
-    async def v1_chat(request):
-        try:
-            args = await check_request(await body(request))
-        except ChatError as e:
-            return error_from(e)
-        cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), args["model"]
-        job = submit_chat(args)
-
-        def chunk(delta, finish=None):
-            return json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
-
-        if not args["stream"]:
-            text, done = "", None
-            async for ev in events(job, request):
-                if ev["type"] == "error":
-                    return error(ev["message"], ev["status"], ev["code"], ev.get("param"))
-                if ev["type"] == "done":
-                    text, done = ev["text"], ev
-            if done is None:  # the client left
-                return error("cancelled", 499, "cancelled")
-            return JSONResponse({
-                "id": cid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": _finish(done["finish_reason"])}],
-                "usage": done["usage"], "kvarn": _public(done["stats"])})
-
-        async def stream():
-            async for ev in events(job):
-                kind = ev["type"]
-                if kind == "queued":
-                    yield ServerSentEvent(comment=f"queued: {ev['position']} request(s) ahead of you")
-                elif kind == "started":
-                    yield ServerSentEvent(chunk({"role": "assistant", "content": ""}))
-                elif kind == "token":
-                    yield ServerSentEvent(chunk({"content": ev["text"]}))
-                elif kind == "error":
-                    yield ServerSentEvent(json.dumps({"error": {"message": ev["message"], "type": "server_error"
-                                                                if ev["status"] >= 500 else "invalid_request_error",
-                                                                "code": ev["code"], "param": ev.get("param")}}))
-                    return
-                elif kind == "done":
-                    yield ServerSentEvent(chunk({}, _finish(ev["finish_reason"])))
-                    if args["include_usage"]:
-                        yield ServerSentEvent(json.dumps({"id": cid, "object": "chat.completion.chunk",
-                                                          "created": created, "model": model, "choices": [],
-                                                          "usage": ev["usage"]}))
-            yield ServerSentEvent("[DONE]")
-
-        return EventSourceResponse(stream(), ping=10)
-
-    routes = [
-        Route("/", index),
-        Route("/api/health", health),
-        Route("/api/info", info),
-        Route("/api/stats", stats),
-        Route("/api/chat", api_chat, methods=["POST"]),
-        Route("/api/new", api_new, methods=["POST"]),
-        Route("/api/save", api_save, methods=["POST"]),
-        Route("/api/load", api_load, methods=["POST"]),
-        Route("/api/chats", api_chats),
-        Route("/v1/models", v1_models),
-        Route("/v1/chat/completions", v1_chat, methods=["POST"]),
-    ]
-    guard = Middleware(Guard, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, api_key=api_key)
-    app = Starlette(routes=routes, middleware=[guard])
-    app.router.redirect_slashes = False  # a stray slash is a 404, not a redirect built from the Host header
-    return app
-
-
-def _finish(reason):
-    return "stop" if reason == "cancelled" else reason
-
-
-def _public(stats):
-    return {k: v for k, v in stats.items() if k != "history"}
+    def _send(self, status, body, content_type):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
