@@ -21,6 +21,7 @@ KVarN caches really hold, so the same budget keeps more prefixes.
 """
 
 import argparse
+import hashlib
 import io
 import json
 import logging
@@ -33,6 +34,7 @@ from collections import OrderedDict, deque
 from urllib.parse import parse_qs, urlsplit
 
 import mlx.core as mx
+import numpy as np
 import mlx_lm.server as mlx_server
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import LRUPromptCache
@@ -56,11 +58,12 @@ _counts = {"prompt_tokens": 0}
 _live = {"now": None, "peak": None, "at": 0.0, "sequences": 0}
 MAX_BODY = 64 << 20  # bytes of a request body; far beyond any prompt text (images come base64-encoded)
 PUBLISH_EVERY = 1.0  # seconds between measurements while the number of sequences stays
-# Per request (by completion id): its prompt tokens; per cache stored in the prompt
-# cache: its tokens and memory.panel figures, measured when stored. Both bounded.
-REMEMBERED = 256
+# Per request (by completion id): its prompt's length and digest; per cache lately
+# stored in the prompt cache: its tokens and memory.panel figures, measured when
+# stored. Both bounded (a stored entry holds 4 bytes a token).
+REMEMBERED, STORED = 256, 32
 _prompts = OrderedDict()
-_stored = deque(maxlen=REMEMBERED)
+_stored = deque(maxlen=STORED)
 
 
 # -- caches ---------------------------------------------------------------------------
@@ -127,7 +130,7 @@ class PromptCache(LRUPromptCache):
     def insert_cache(self, model, tokens, prompt_cache, *args, **kwargs):
         figures = memory.panel(prompt_cache)  # before the LRU may trim or hand it on
         with _lock:
-            _stored.append((tuple(tokens), figures))
+            _stored.append((np.asarray(tokens, dtype=np.int32), figures))
             return super().insert_cache(model, tokens, prompt_cache, *args, **kwargs)
 
     def trim_to(self, *args, **kwargs):
@@ -215,23 +218,28 @@ def kv_stats(request=None):
 
 
 def request_figures(request):
-    """memory.panel figures of the cache the request with this
-    completion id left in the prompt cache once it finished: its prompt and
-    reply. None while it runs, or for an id this server does not remember."""
+    """memory.panel figures of the cache the request with this completion id
+    left in the prompt cache once it finished: its prompt and reply. None while
+    it runs, for an id this server does not remember, or once STORED later
+    caches were stored."""
     with _lock:
         prompt = _prompts.get(request)
         if prompt is None:
             return None
-        n = len(prompt)
+        n, digest = prompt
         for tokens, figures in reversed(_stored):  # the newest first: the same prompt may come again
-            if len(tokens) >= n and tokens[:n] == prompt:
+            if len(tokens) >= n and _digest(tokens[:n]) == digest:
                 return figures
     return None
 
 
+def _digest(tokens):
+    return hashlib.blake2b(np.asarray(tokens, dtype=np.int32).tobytes(), digest_size=16).digest()
+
+
 def _remember(request, prompt):
     with _lock:
-        _prompts[request] = tuple(prompt)
+        _prompts[request] = (len(prompt), _digest(prompt))
         while len(_prompts) > REMEMBERED:
             _prompts.popitem(last=False)
 

@@ -6,6 +6,10 @@ what these checks refuse never reaches it."""
 
 import os
 import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +17,7 @@ from chat_server import port_of, post, serve, user
 
 import httpx  # noqa: E402  (chat_server skipped the module already if it is missing)
 
+ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -150,6 +155,28 @@ def test_api_key_option_and_environment(monkeypatch):
     assert parse(["--api-key", "abc"]).api_key == "abc"
     args = parse(["--allowed-hosts", "a.lan,b.lan", "--allowed-origins", "http://x:1"])
     assert args.allowed_hosts == ["a.lan", "b.lan"] and args.allowed_origins == ["http://x:1"]
+
+
+def run_main(*args):
+    """python -m apps.chat on a port already taken, with a model that does not exist: it
+    prints its warnings, then exits."""
+    env = {k: v for k, v in os.environ.items() if k != "KVARN_API_KEY"}
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        return subprocess.run([sys.executable, "-m", "apps.chat", "--model", "/nonexistent/model", "--port",
+                               str(taken.getsockname()[1]), *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+
+def test_network_bind_warns():
+    out = run_main("--host", "0.0.0.0")
+    assert out.returncode != 0
+    assert "reachable from the network" in out.stderr and "--api-key" in out.stderr, out.stderr
+    out = run_main("--host", "0.0.0.0", "--api-key", "k")
+    assert "reachable from the network" in out.stderr and "API key" in out.stderr
+    out = run_main()  # loopback: quiet
+    assert "reachable from the network" not in out.stderr and "WARNING" not in out.stderr
 
 
 def chromium_page(test):
