@@ -86,6 +86,34 @@ def test_method_names():
             method_cache(bad)
 
 
+def test_method_variants():
+    # Any width pair by name, FP8 scales, layers kept plain.
+    assert method_bits("k5v3_g128") == "5/3" and method_cache("k5v3_g64_auto")[1].rotate_keys == "auto"
+    cls, cfg = method_cache("auto4v2+fp8")
+    assert cls is KVarNCache and cfg.scale_dtype == "fp8" and cfg.rotate_keys == "auto" and cfg.k_bits == 4
+    assert method_cache("kivi2+fp8")[1].iters == 0 and method_cache("kivi2+fp8")[1].scale_dtype == "fp8"
+    assert method_cache("k4v2_g128+fp16:0:-1")[1] == method_cache("k4v2_g128")[1]
+    assert [type(c) for c in make_caches(tiny_model("llama64"), "k4v2_g128+fp16:-1")] == [KVarNCache, KVCache]
+    g = make_caches(tiny_model("gemma3"), "k4v4_g128+fp8+fp16:1")  # layers 0 and 2 slide
+    assert [type(c).__name__ for c in g] == ["RotatingKVCache", "KVCache", "RotatingKVCache", "KVarNCache"]
+    assert g[3].config.scale_dtype == "fp8"
+    for bad in ("k4v2_g128+fp4", "mlxq4+fp8", "fp+fp16:0", "k8v8_g128+fp8", "k4v2_g128+fp16"):
+        with pytest.raises(ValueError):
+            method_cache(bad)
+    with pytest.raises(ValueError, match="the model has 2 layers"):
+        make_caches(tiny_model("llama64"), "k4v2_g128+fp16:2")
+
+
+def test_growing_bytes_leave_out_sliding_layers():
+    g = tiny_model("gemma3")  # window 32: 2 sliding layers, 2 global
+    rows = {r["method"]: r for r in fidelity(g, Bytes(), ["k4v4_g128", "k4v4_g128+fp16:1"], [384], chunk=128)["rows"]}
+    fp, q, half = rows["fp"], rows["k4v4_g128"], rows["k4v4_g128+fp16:1"]
+    assert fp["growing_bytes"] == 2 * 384 * 256 * 2 * 4  # 2 global layers, 1 kv head, K and V, float32
+    assert 0 < q["growing_bytes"] < half["growing_bytes"] < fp["growing_bytes"]
+    assert fp["bytes"] - fp["growing_bytes"] == q["bytes"] - q["growing_bytes"] > 0  # the same sliding windows
+    assert 0 < half["kl_mean"] < q["kl_mean"]
+
+
 def _rtn(x, bits, axis):
     lo, hi = x.min(axis=axis, keepdims=True), x.max(axis=axis, keepdims=True)
     scale = np.maximum((hi - lo) / (2**bits - 1), 1e-10)
@@ -163,6 +191,7 @@ def test_attention_modes_give_the_same_numbers(model):
 
 @pytest.mark.parametrize("argv", [
     ["fidelity", "--contexts", "256,384", "--methods", "kivi2,oracle2,affine2,mlxq2,vonly2,k4v2_g128", "--chunk", "128"],
+    ["fidelity", "--contexts", "384", "--methods", "k3v2_g128+fp8,k6v5_g128+fp16:0", "--chunk", "128"],
     ["accumulation", "--context", "512", "--methods", "kivi2,rot2,kvarn2,mlxq2"],
     ["--attention", "packed", "accumulation", "--context", "384", "--methods", "auto2,konly2,mlxq2"],
     ["decode", "--prompt-len", "160", "--steps", "24", "--methods", "kivi2,kvarn2", "--text", "topics", "--prompts", "2"],

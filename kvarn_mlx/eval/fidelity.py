@@ -82,6 +82,7 @@ def fidelity(model, tokenizer, methods, contexts, source="topics", chunk=256, at
                 "kl_mean": float(np.maximum(kl, 0).mean()), "kl_p99": float(np.percentile(np.maximum(kl, 0), 99)),
                 "top1_agree": float(p["agree"][sel].mean()), "ppl": ppl, "ppl_delta": ppl - ppl_fp,
                 "bytes": b.get("bytes"), "fp16_bytes": bytes_at["fp"][Lc]["fp16_bytes"],
+                "growing_bytes": b.get("growing_bytes"),
                 "bits_per_quantized_element": b.get("bits_per_quantized_element"),
             })
     return {"rows": rows, "seconds": seconds, "source": source, "chunk": chunk, "sink": sink,

@@ -16,10 +16,17 @@ Methods, at B = 2, 4 or 8 bits (every tile method uses the same sink and tail):
   mlxqB     mlx-lm's QuantizedKVCache as shipped (no sink, no tail: every token
             is quantized the moment it arrives)
   konlyB / vonlyB  KVarN on K only / V only, the other side in full precision
-  any preset name (k4v2_g128, ...)
+  any preset name (k4v2_g128, auto4v2, ...) or kXvY_gG[_auto] name (k5v3_g128, ...)
+
+Variants, appended to a tile method's name (no commas: they separate methods):
+  +fp8          scales stored as e4m3 bytes (scale_dtype="fp8"; codes <= 4 bits)
+  +fp16:0:-1    those model layers left as mlx-lm's plain cache (as make_cache's
+                fp16_layers; negative indices count from the end)
+e.g. k4v2_g128+fp8, k8v8_g128+fp16:0:-1.
 """
 
 import re
+from dataclasses import replace
 from functools import partial
 
 from mlx_lm.models import cache as mlx_cache
@@ -27,12 +34,26 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from .. import integration, memory
 from ..cache import KVarNCache
-from ..config import PRESETS, KVarNConfig
+from ..config import PRESETS, KVarNConfig, get_preset
 from .baselines import AffineCache, KeysOnlyCache, OracleKeysCache, ValuesOnlyCache
 
 G = 128  # tile tokens for every tile method
 SINK = 128
 FAMILIES = ("kvarn", "kivi", "rot", "norm", "oracle", "affine", "mlxq", "konly", "vonly", "plaink", "auto")
+
+
+def _variant(name):
+    """(base method, config overrides, plain layers) of name[+fp8][+fp16:i:j...]."""
+    base, *opts = name.split("+")
+    overrides, layers = {}, ()
+    for o in opts:
+        if o == "fp8":
+            overrides["scale_dtype"] = "fp8"
+        elif re.fullmatch(r"fp16(:-?\d+)+", o):
+            layers = tuple(int(i) for i in o.split(":")[1:])
+        else:
+            raise ValueError(f"unknown method {name!r}: variants are +fp8 and +fp16:i:j (layers kept plain)")
+    return base, overrides, layers
 
 
 def _parse(name):
@@ -45,8 +66,14 @@ def _parse(name):
 
 def method_cache(name):
     """(cache class, KVarNConfig) of a tile method, or (QuantizedKVCache, None) for mlxqB."""
-    if name in PRESETS:
-        return KVarNCache, PRESETS[name]
+    base, overrides, _ = _variant(name)
+    if base != name:
+        if base == "fp" or base.startswith("mlxq"):
+            raise ValueError(f"unknown method {name!r}: variants apply to KVarN tile methods")
+        cls, cfg = method_cache(base)
+        return cls, replace(cfg, **overrides)
+    if name in PRESETS or re.fullmatch(r"k\d+v\d+_g\d+(_auto)?", name):
+        return KVarNCache, get_preset(name)
     fam, b = _parse(name)
     if fam == "mlxq":
         return QuantizedKVCache, None
@@ -73,8 +100,12 @@ def make_caches(model, name):
     if name == "fp":
         return caches
     cls, cfg = method_cache(name)
+    n = len(caches)
+    plain = {i % n for i in _variant(name)[2] if -n <= i < n}
+    if len(plain) != len(set(_variant(name)[2])):
+        raise ValueError(f"method {name!r}: the model has {n} layers (0..{n - 1}, or -1..-{n} from the end)")
     for i, c in enumerate(caches):
-        if type(c) is KVCache:
+        if type(c) is KVCache and i not in plain:
             caches[i] = QuantizedKVCache(group_size=64, bits=_parse(name)[1]) if cfg is None else cls(cfg)
     integration.patch()
     return caches
@@ -94,10 +125,12 @@ def method_bits(name):
 
 def cache_bytes(caches):
     """Bytes the caches hold for their tokens (measured arrays, without
-    preallocated room), their 2-byte equivalent, and bits per quantized element
+    preallocated room), their 2-byte equivalent, bits per quantized element
     (codes + scales over the elements stored in quantized form; K-only / V-only:
-    over the quantized side)."""
+    over the quantized side), and growing_bytes: the bytes of the layers whose
+    cache grows with the context (all but sliding-window layers)."""
     held = memory.cache_bytes(caches)
+    growing = memory.cache_bytes([c for c in caches if not isinstance(c, mlx_cache.RotatingKVCache)])
     qbytes = qelems = 0
     for c in caches:
         if isinstance(c, KVarNCache) and c.n_tiles:
@@ -112,4 +145,5 @@ def cache_bytes(caches):
             B, H, _, w = c.keys[0].shape
             qelems += 2 * B * H * c.offset * w * 32 // c.bits
     return {"bytes": held["held"] - held["unused"], "fp16_bytes": held["fp16"],
+            "growing_bytes": growing["held"] - growing["unused"],
             "bits_per_quantized_element": 8 * qbytes / qelems if qelems else None}
