@@ -160,7 +160,7 @@ def test_saved_chats_never_replace_other_files(app, monkeypatch):
     assert post(url + "/api/load", {"name": "mine"}).json()["messages"] == longer
     import httpx
 
-    assert httpx.get(url + "/api/chats").json()["chats"] == ["link", "mine", "notes"]
+    assert httpx.get(url + "/api/chats").json()["chats"] == ["mine"]  # only saved chats are listed
     # An interrupted save (the rename fails) leaves the old file whole and no temp file behind.
     before = (saved / "mine.json").read_bytes()
 

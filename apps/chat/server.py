@@ -104,8 +104,9 @@ def load_chat(save_dir, data):
 
 
 def chat_names(save_dir):
+    """The saved chats in save_dir (other files there are not listed)."""
     save_dir = Path(save_dir)
-    return sorted(p.stem for p in save_dir.glob("*.json")) if save_dir.is_dir() else []
+    return sorted(p.stem for p in save_dir.glob("*.json") if read_chat(p) is not None) if save_dir.is_dir() else []
 
 
 # -- requests ---------------------------------------------------------------------------
