@@ -1,0 +1,60 @@
+"""benchmarks/frontier.py end to end on a tiny model folder (a fidelity run, then
+the frontier from its json), and its frontier test on points with known answers."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+from model_folder import tiny_model_folder
+
+from kvarn_mlx.eval.__main__ import main as eval_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _frontier():
+    spec = importlib.util.spec_from_file_location("bench_frontier", ROOT / "benchmarks" / "frontier.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_status_and_choices():
+    f = _frontier()
+    pts = [{"method": m, "bytes_per_token": b, "kl_mean": kl} for m, b, kl in [
+        ("mlxq2", 40, 0.5), ("mlxq4", 80, 0.1), ("k2v2_g128", 30, 0.3), ("k3v3_g128", 60, 0.2),
+        ("k4v4_g128", 80, 0.05), ("k8v8_g128", 150, 0.0005), ("k6v6_g128", 120, 0.002)]]
+    by = {p["method"]: p for p in f.status(pts)}
+    assert by["k2v2_g128"]["on_or_below_mlx"] and by["k2v2_g128"]["best_other"] is None  # below mlx-lm's least bytes
+    assert by["k3v3_g128"]["on_or_below_mlx"] and by["k3v3_g128"]["best_other"] == "mlxq2"
+    assert by["mlxq4"]["best_other"] == "k4v4_g128" and by["mlxq4"]["on_or_below_mlx"] is None
+    by["k3v3_g128"]["kl_mean"] = 0.6
+    assert not f.status(pts)[3]["on_or_below_mlx"] and not by["k3v3_g128"]["pareto"]
+    assert by["k6v6_g128"]["pareto"] and by["mlxq2"]["pareto"]
+    c = f.choose(pts, plain=320, near_lossless_kl=1e-3)  # halves: 160, 80
+    assert f.choose(pts, plain=240, near_lossless_kl=1e-4)["best_at_half_memory"] == "k6v6_g128"
+    assert c["most_context"] == "k2v2_g128" and c["best_at_half_memory"] == "k8v8_g128"
+    assert c["best_at_quarter_memory"] == "k4v4_g128" and c["near_lossless"] == "k8v8_g128"
+
+
+def test_frontier_end_to_end(tmp_path):
+    folder = tiny_model_folder(tmp_path / "model")
+    out = tmp_path / "results"
+    eval_main(["--model", str(folder), "--out", str(out), "--tag", "t", "fidelity", "--contexts", "384",
+               "--chunk", "128", "--methods", "k2v2_g128,k4v4_g128+fp8,k8v8_g128+fp16:0,mlxq2,mlxq4"])
+    res = _frontier().main([str(out / "fidelity_t.json"), "--name", "t", "--model", str(folder), "--out", str(out)])
+    pts = {p["method"]: p for p in res["points"]}
+    assert set(pts) == {"k2v2_g128", "k4v4_g128+fp8", "k8v8_g128+fp16:0", "mlxq2", "mlxq4"}
+    # 2 layers, 1 kv head, head dim 64, K and V, float16.
+    assert res["plain_fp16_bytes_per_token"] == 2 * 64 * 2 * 2
+    assert pts["k2v2_g128"]["bytes_per_token"] < pts["k4v4_g128+fp8"]["bytes_per_token"] < res["plain_fp16_bytes_per_token"]
+    assert pts["mlxq2"]["bytes_per_token"] < pts["mlxq4"]["bytes_per_token"]
+    # Layer 0 plain: at least half the plain cache's bytes.
+    assert pts["k8v8_g128+fp16:0"]["bytes_per_token"] > res["plain_fp16_bytes_per_token"] / 2
+    # The float32 run holds more than float16 K/V.
+    assert all(p["run_bytes_per_token"] > p["whole_bytes_per_token"] for p in pts.values())
+    data = json.loads((out / "frontier_t.json").read_text())
+    md = (out / "frontier_t.md").read_text()
+    assert data["result"]["choices"]["most_context"] in pts and "python benchmarks/frontier.py" in md
+    assert md.count("\n| ") == 1 + len(pts)
+    assert (out / "frontier_t.png").stat().st_size > 0
