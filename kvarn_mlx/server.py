@@ -55,7 +55,8 @@ _prompt_caches = weakref.WeakSet()
 # Prompt tokens of requests that the model runs (those the prompt cache held are not).
 _counts = {"prompt_tokens": 0}
 # "now": the latest live figures, "peak": those with the most tokens held.
-_live = {"now": None, "peak": None, "at": 0.0, "sequences": 0}
+# "rows": (tokens, memory.panel figures) of each sequence decoded with KVarN caches.
+_live = {"now": None, "peak": None, "at": 0.0, "sequences": 0, "rows": []}
 MAX_BODY = 64 << 20  # bytes of a request body; far beyond any prompt text (images come base64-encoded)
 PUBLISH_EVERY = 1.0  # seconds between measurements while the number of sequences stays
 # Per request (by completion id): its prompt's length and digest; per cache lately
@@ -93,19 +94,29 @@ class BatchGenerator(mlx_server.BatchGenerator):
     def insert_segments(self, segments, *args, **kwargs):
         uids = super().insert_segments(segments, *args, **kwargs)
         _counts["prompt_tokens"] += sum(len(s) for seq in segments for s in seq)
-        _publish(self.live_caches())
+        _publish(self.live_caches(), rows=self.live_rows)
         return uids
 
     def remove(self, *args, **kwargs):
         out = super().remove(*args, **kwargs)
-        _publish(self.live_caches())
+        _publish(self.live_caches(), rows=self.live_rows)
         return out
 
     def next(self):
         decoding = len(self._generation_batch)
         out = super().next()
-        _publish(self.live_caches(), force=len(self._generation_batch) > decoding)  # prompts done: a jump
+        _publish(self.live_caches(), force=len(self._generation_batch) > decoding,  # prompts done: a jump
+                 rows=self.live_rows)
         return out
+
+    def live_rows(self):
+        """(tokens, caches) of each sequence being decoded, when every layer is a
+        BatchKVarNCache (its rows are single caches; mlx-lm's batch caches are not split)."""
+        batch = self._generation_batch
+        caches = batch.prompt_cache or []
+        if not caches or not all(isinstance(c, BatchKVarNCache) for c in caches):
+            return []
+        return [(batch.tokens[i], [c.rows[i] for c in caches]) for i in range(len(batch))]
 
     def live_caches(self):
         """The cache of every sequence it holds: single caches, or batch caches with their row count."""
@@ -218,10 +229,11 @@ def kv_stats(request=None):
 
 
 def request_figures(request):
-    """memory.panel figures of the cache the request with this completion id
-    left in the prompt cache once it finished: its prompt and reply. None while
-    it runs, for an id this server does not remember, or once STORED later
-    caches were stored."""
+    """memory.panel figures of the request with this completion id: once it
+    finished, of the cache it left in the prompt cache (its prompt and reply;
+    "live": False); while it is decoded in a batch of KVarN caches, of its
+    row as of the latest live measurement ("live": True). None before that, for
+    an id this server does not remember, or once STORED later caches were stored."""
     with _lock:
         prompt = _prompts.get(request)
         if prompt is None:
@@ -229,7 +241,10 @@ def request_figures(request):
         n, digest = prompt
         for tokens, figures in reversed(_stored):  # the newest first: the same prompt may come again
             if len(tokens) >= n and _digest(tokens[:n]) == digest:
-                return figures
+                return {**figures, "live": False}
+    for tokens, figures in _live["rows"]:  # replaced whole by the generation thread, never changed
+        if len(tokens) >= n and _digest(tokens[:n]) == digest:
+            return {**figures, "live": True}
     return None
 
 
@@ -260,15 +275,17 @@ class _Recorder:
         return ctx, response
 
 
-def _publish(entries, force=False):
+def _publish(entries, force=False, rows=list):
     """In the generation thread: measure the live (caches, sequences) entries if
-    their number changed, if forced, or PUBLISH_EVERY seconds after the last time."""
+    their number changed, if forced, or PUBLISH_EVERY seconds after the last time;
+    rows() gives the (tokens, caches) of sequences request_figures can find."""
     n = sum(k for _, k in entries)
     now = time.monotonic()
     if not force and n == _live["sequences"] and now - _live["at"] < PUBLISH_EVERY:
         return
     figures = _total(entries)
-    _live.update(now=figures, at=now, sequences=n)
+    live_rows = [(np.asarray(t, dtype=np.int32), memory.panel(c)) for t, c in rows()]
+    _live.update(now=figures, at=now, sequences=n, rows=live_rows)
     if _live["peak"] is None or figures["tokens"] > _live["peak"]["tokens"]:
         _live["peak"] = figures
 
@@ -381,10 +398,21 @@ def run(host, port, model_provider, server_class=mlx_server.ThreadingHTTPServer,
     prompt_cache = PromptCache(args.prompt_cache_size, **({"max_bytes": args.prompt_cache_bytes}
                                                           if args.prompt_cache_bytes is not None else {}))
     response_generator = mlx_server.ResponseGenerator(model_provider, prompt_cache)
+    threading.Thread(target=_exit_if_generation_dies, args=(response_generator,), daemon=True).start()
     if group.rank() == 0:
         mlx_server._run_http_server(host, port, response_generator, server_class, handler_class)
     else:
         response_generator.join()
+
+
+def _exit_if_generation_dies(generator):
+    # mlx-lm logs the error (e.g. a model that cannot be loaded) and would then
+    # answer 503 for ever: stop instead, so the user sees why at once.
+    generator.join()
+    if generator._generation_failed:
+        print("error: the server's generation thread stopped (its error is logged above: a --model that cannot "
+              "be loaded, for instance); the server exits", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 # -- command line ---------------------------------------------------------------------
@@ -437,15 +465,33 @@ def main(argv=None, handler=None, parser=None):
     elif ours.kv_preset != FP16 and any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest):
         parser.error("--kv-bits is mlx-lm's own quantized cache (one request at a time); this server "
                      f"quantizes with KVarN: use --kv-preset (or --kv-preset {FP16} --kv-bits N for mlx-lm's)")
-    if not any(a == "--model" or a.startswith("--model=") for a in rest) and "-h" not in rest and "--help" not in rest:
-        from .loader import default_model_path
-
-        rest += ["--model", str(default_model_path())]
+    if "-h" not in rest and "--help" not in rest:
+        rest = _resolve_model(rest)
     # mlx-lm's --allowed-origins sets its CORS headers: the same list as ours.
     rest += ["--allowed-origins", ",".join(ours.allowed_origins)]
     install(ours, handler or APIHandler)
     sys.argv = [parser.prog, *rest]
     mlx_server.main()
+
+
+def _resolve_model(rest):
+    """mlx-lm's argv with --model as a folder when it names an embedded model
+    (embedded:<key>, or the key alone) or is missing (the default one)."""
+    from pathlib import Path
+
+    from . import loader
+
+    for i, a in enumerate(rest):
+        if a == "--model" and i + 1 < len(rest) or a.startswith("--model="):
+            spec = rest[i + 1] if a == "--model" else a.split("=", 1)[1]
+            try:
+                m = None if Path(spec).expanduser().exists() else loader.embedded(spec)
+            except loader.ModelLoadError as e:
+                sys.exit(f"error: --model: {e}")
+            if m is None:
+                return rest
+            return [*rest[:i], "--model", str(loader.model_path(m)), *rest[i + (2 if a == "--model" else 1):]]
+    return [*rest, "--model", str(loader.default_model_path())]
 
 
 def install_caches(preset, sink, provider=None):

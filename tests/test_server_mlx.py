@@ -152,7 +152,7 @@ def test_a_continued_conversation_prefills_only_its_new_tokens(model_dir):
     assert r1.usage.prompt_tokens < one["tokens"] <= r1.usage.prompt_tokens + 16
     assert one["tiles"] >= 2 and one["kvarn_layers"] == one["layers"] > 0
     assert one["plain"] > one["held"] > 0 and one["ratio_plain"] == pytest.approx(one["plain"] / one["held"])
-    assert one["dtype"] == "float32" and one["saving_from"] > 16
+    assert one["dtype"] == "float32" and one["saving_from"] > 16 and one["live"] is False
     assert unknown["request"] is None
     assert "request" not in after
     cached = r2.usage.prompt_tokens_details.cached_tokens
@@ -218,3 +218,22 @@ def test_preset_names():
         assert _preset_error(name) is None, name
     for name in ("k3v3", "k7v2_g128", "k4v2_g32", ""):
         assert "valid presets" in _preset_error(name), name
+
+
+def test_request_figures_while_it_is_decoded(model_dir):
+    """?request=ID while the reply streams: its own row of the batch (live), growing."""
+    with server(model_dir) as (url, _):
+        stream = client(url).chat.completions.create(
+            model="default_model", messages=[{"role": "user", "content": prompt(3, 150)}], max_tokens=5000,
+            temperature=0.0, stream=True)
+        seen, deadline = [], time.monotonic() + TIMEOUT
+        for chunk in stream:
+            fig = get(url + f"/v1/kv_stats?request={chunk.id}")["request"]
+            if fig is not None:
+                seen.append(fig)
+            if len({f["tokens"] for f in seen}) >= 2 or time.monotonic() > deadline:
+                break
+        stream.close()  # the server stops this generation
+    assert len({f["tokens"] for f in seen}) >= 2, seen
+    assert all(f["live"] and f["kvarn_layers"] == f["layers"] == 2 and f["plain"] > f["held"] > 0 for f in seen)
+    assert seen[0]["tokens"] < seen[-1]["tokens"] and seen[-1]["tiles"] >= seen[0]["tiles"] >= 2
