@@ -24,7 +24,6 @@ import argparse
 import hashlib
 import io
 import json
-import logging
 import os
 import sys
 import threading
