@@ -19,8 +19,10 @@ cache's bytes after the run (the conversations kept for prefix reuse).
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -46,10 +48,12 @@ def get(url):
         return json.loads(r.read())
 
 
-def start(model, flags, log):
+def start(model, flags, log, launcher=()):
+    """`python -m kvarn_mlx.server` (after `launcher`, e.g. mlx.launch's argv) in a
+    process group of its own: stop() ends every process it started."""
     port = free_port()
-    cmd = [sys.executable, "-m", "kvarn_mlx.server", "--model", str(model), "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    cmd = [*launcher, sys.executable, "-m", "kvarn_mlx.server", "--model", str(model), "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
@@ -58,8 +62,19 @@ def start(model, flags, log):
                 return proc, url
         except OSError:
             time.sleep(0.5)
-    proc.kill()
+    stop(proc)
     raise SystemExit(f"server {' '.join(flags)} did not start; see {log.name}")
+
+
+def stop(proc):
+    # The whole group: mlx.launch leaves its ranks running when it is stopped alone.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def stream(client, prompt, max_tokens):
@@ -89,8 +104,7 @@ def run_one(name, model, flags, prompts, max_tokens, log_dir):
             wall = time.perf_counter() - t0
             after = get(url + "/v1/kv_stats")
         finally:
-            proc.terminate()
-            proc.wait(60)
+            stop(proc)
     prompt_tokens = sum(u.prompt_tokens for _, u in results)
     generated = sum(u.completion_tokens for _, u in results)
     peak = after["live_peak"]
