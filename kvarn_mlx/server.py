@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import io
 import json
+import logging
 import os
 import sys
 import threading
@@ -38,7 +39,7 @@ import mlx_lm.server as mlx_server
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import LRUPromptCache
 
-from . import guard, memory
+from . import budget, guard, memory, plan
 from .batch_cache import BatchKVarNCache
 from .config import DEFAULT_PRESET, FP16, PRESETS, get_preset
 from .integration import make_cache
@@ -295,7 +296,8 @@ def _publish(entries, force=False, rows=list):
 class APIHandler(mlx_server.APIHandler):
     """mlx-lm's request handler behind kvarn_mlx.guard's checks, plus the stats endpoint."""
 
-    settings = argparse.Namespace(allowed_hosts=[], allowed_origins=[], api_key=None, kv_preset=None, kv_sink=None)
+    settings = argparse.Namespace(allowed_hosts=[], allowed_origins=[], api_key=None, kv_preset=None, kv_sink=None,
+                                  max_kv_bytes=None)
 
     def _refused(self, post, public=False):
         """Answer and return True if the request breaks a rule. public: no API
@@ -396,12 +398,49 @@ def run(host, port, model_provider, server_class=mlx_server.ThreadingHTTPServer,
     group = mx.distributed.init()
     prompt_cache = PromptCache(args.prompt_cache_size, **({"max_bytes": args.prompt_cache_bytes}
                                                           if args.prompt_cache_bytes is not None else {}))
-    response_generator = mlx_server.ResponseGenerator(model_provider, prompt_cache)
+    response_generator = ResponseGenerator(model_provider, prompt_cache)
+    response_generator.max_kv_bytes = getattr(handler_class.settings, "max_kv_bytes", None)
     threading.Thread(target=_exit_if_generation_dies, args=(response_generator,), daemon=True).start()
     if group.rank() == 0:
         mlx_server._run_http_server(host, port, response_generator, server_class, handler_class)
     else:
         response_generator.join()
+
+
+class ResponseGenerator(mlx_server.ResponseGenerator):
+    """mlx-lm's, with --max-kv-bytes: the most KV bytes one request's cache may hold."""
+
+    max_kv_bytes = None
+    _budget = None  # (model, budget.KVBudget of the caches the server makes for it)
+
+    def _tokenize(self, tokenizer, request, args):
+        out = super()._tokenize(tokenizer, request, args)
+        if self.max_kv_bytes is not None:
+            model = self.model_provider.model
+            if self._budget is None or self._budget[0] is not model:
+                kv = budget.KVBudget(model, mlx_server.make_prompt_cache(model), self.max_kv_bytes,
+                                     self.cli_args.prefill_step_size)
+                self._budget = (model, kv)
+            args.max_tokens = fit_tokens(self._budget[1], len(out[0]), args.max_tokens)
+        return out
+
+
+def fit_tokens(kv, n, max_tokens):
+    """The max_tokens that keep one request's cache (n prompt tokens) within kv's budget,
+    by the planner's byte models: the most the cache could hold at that many tokens, room
+    included, whatever the steps. BudgetExceeded if the prompt itself does not fit."""
+    peak = lambda t: sum(m.peak(t) for m in kv.models)  # noqa: E731
+    if peak(n + 1) > kv.max_bytes:
+        raise budget.BudgetExceeded(
+            f"--max-kv-bytes: the {n}-token prompt does not fit: its KV cache could hold up to {peak(n + 1):,} "
+            f"bytes ({plan.human(peak(n + 1))}), beyond the budget of {kv.max_bytes:,} bytes "
+            f"({plan.human(kv.max_bytes)}). Shorten the prompt, or start the server with a larger "
+            "--max-kv-bytes or a smaller --kv-preset (python -m kvarn_mlx.plan shows what fits)")
+    if peak(n + max_tokens) <= kv.max_bytes:
+        return max_tokens
+    fit = plan.longest_context(peak, 1, kv.max_bytes) - n
+    logging.warning(f"--max-kv-bytes: a {n}-token prompt may generate {fit} tokens, not {max_tokens}")
+    return fit
 
 
 def _exit_if_generation_dies(generator):
@@ -428,6 +467,9 @@ def arg_parser():
                         "mlx-lm's own cache (then mlx-lm's --kv-bits applies)")
     g.add_argument("--kv-sink", type=int, default=None,
                    help="leading tokens kept unquantized (default: the preset's, one tile)")
+    g.add_argument("--max-kv-bytes", type=_size, default=None, metavar="SIZE",
+                   help="the most KV bytes one request's cache may hold (e.g. 2GB): a longer prompt is refused, "
+                        "and a request stops (finish_reason length) before its cache could grow past it")
     g.add_argument("--allowed-hosts", type=lambda x: [h.strip().lower() for h in x.split(",") if h.strip()],
                    default=[], help="Host names this server answers to besides localhost and its own "
                                     "address, comma-separated ('*': any)")
@@ -437,6 +479,13 @@ def arg_parser():
     g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV})")
     return p
+
+
+def _size(text):
+    try:
+        return budget.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _preset_error(name):
