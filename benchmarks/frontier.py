@@ -90,7 +90,7 @@ def choose(points, plain, near_lossless_kl):
 
 
 def markdown(res, meta_md):
-    L, plain = res["context"], res["plain_fp16_bytes_per_token"]
+    L, plain, N = res["context"], res["plain_fp16_bytes_per_token"], res["long_context"]
     out = [f"# Memory-quality frontier: {res['model']}, {L} tokens\n", meta_md,
            f"\nKL, top-1: `{res['fidelity_command']}` (text {res['source']}, {res['positions']}, float32 weights, "
            f"fidelity run of {res['fidelity_date']}). Bytes/token: each method's caches filled with {L} tokens of float16 "
@@ -100,21 +100,24 @@ def markdown(res, meta_md):
            "(group 64) at no more bytes; KVarN is on or below mlx-lm's frontier there when its KL is no higher. "
            "Pareto: no method of its own kind has fewer or equal bytes and a lower KL.\n",
            "| method | K/V bits | KL mean | KL p99 | top-1 | bytes/token (growing layers) | vs plain fp16 | "
-           "whole cache bytes/token | float32 run bytes/token | mlx-lm best at <= bytes | on/below mlx-lm | Pareto |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "whole cache bytes/token | float32 run bytes/token | mlx-lm best at <= bytes | on/below mlx-lm | Pareto |"
+           + (f" bytes/token at {N} tokens (vs plain) |" if N else ""),
+           "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if N else "")]
     for p in sorted(res["points"], key=lambda p: p["bytes_per_token"]):
-        other = f"{p['best_other']} ({p['best_other_kl']:.4f})" if p["best_other"] and not is_mlx(p["method"]) else (
+        other = f"{p['best_other']} ({p['best_other_kl']:.3g})" if p["best_other"] and not is_mlx(p["method"]) else (
             "none" if not is_mlx(p["method"]) else "")
         on = "" if p["on_or_below_mlx"] is None else ("yes" if p["on_or_below_mlx"] else "**no**")
-        out.append(f"| {p['method']} | {p['bits_kv']} | {p['kl_mean']:.4f} | {p['kl_p99']:.3f} | {p['top1_agree']:.3f} | "
+        out.append(f"| {p['method']} | {p['bits_kv']} | {p['kl_mean']:.3g} | {p['kl_p99']:.3g} | {p['top1_agree']:.3f} | "
                    f"{p['bytes_per_token']:.0f} | {plain / p['bytes_per_token']:.2f}x | {p['whole_bytes_per_token']:.0f} | "
-                   f"{p['run_bytes_per_token']:.0f} | {other} | {on} | {'yes' if p['pareto'] else ''} |")
+                   f"{p['run_bytes_per_token']:.0f} | {other} | {on} | {'yes' if p['pareto'] else ''} |"
+                   + (f" {p['long_bytes_per_token']:.0f} ({res['plain_fp16_long_bytes_per_token'] / p['long_bytes_per_token']:.2f}x) |"
+                      if N else ""))
     out.append("\nmlx-lm's points against KVarN's (the lowest KVarN mean KL at no more bytes):\n")
     for p in res["points"]:
         if is_mlx(p["method"]):
             b = p["best_other"]
-            out.append(f"- {p['method']}: {p['bytes_per_token']:.0f} bytes/token, KL {p['kl_mean']:.4f}; " + (
-                f"KVarN {b} at no more bytes: KL {p['best_other_kl']:.4f} ({p['kl_mean'] / max(p['best_other_kl'], 1e-12):.1f}x lower)"
+            out.append(f"- {p['method']}: {p['bytes_per_token']:.0f} bytes/token, KL {p['kl_mean']:.3g}; " + (
+                f"KVarN {b} at no more bytes: KL {p['best_other_kl']:.3g} (mlx-lm's KL is {p['kl_mean'] / max(p['best_other_kl'], 1e-12):.3g}x KVarN's)"
                 if b else "no KVarN method at no more bytes"))
     below = [p["method"] for p in res["points"] if p["on_or_below_mlx"] is False]
     out.append("\nKVarN methods above mlx-lm's frontier: " + (", ".join(below) if below else "none") + ".")
@@ -163,6 +166,8 @@ def main(argv=None):
     p.add_argument("--name", required=True, help="suffix of the result files (frontier_<name>)")
     p.add_argument("--model", default=None, help="the model of the fidelity run (default: the embedded SmolLM2)")
     p.add_argument("--near-lossless-kl", type=float, default=1e-3)
+    p.add_argument("--long-context", type=int, default=None,
+                   help="also measure bytes/token at this many tokens (where the sink and tail weigh less)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     fid = json.loads(args.fidelity_json.read_text())
@@ -173,16 +178,19 @@ def main(argv=None):
         if r["context"] != L:
             continue
         b = float16_bytes(model, r["method"], L, fid["result"]["chunk"])
+        N = args.long_context
+        long = float16_bytes(model, r["method"], N, fid["result"]["chunk"])["growing_bytes"] / N if N else None
         if r["method"] == "fp":
-            plain = b["growing_bytes"] / L
+            plain, plain_long = b["growing_bytes"] / L, long
             continue
         points.append({**{k: r[k] for k in ("method", "bits_kv", "kl_mean", "kl_p99", "top1_agree", "ppl_delta")},
                        "bytes_per_token": b["growing_bytes"] / L, "whole_bytes_per_token": b["bytes"] / L,
-                       "run_bytes_per_token": r["bytes"] / L})
+                       "run_bytes_per_token": r["bytes"] / L, "long_bytes_per_token": long})
         print(f"{r['method']}: {points[-1]['bytes_per_token']:.0f} bytes/token, KL {r['kl_mean']:.4f}", file=sys.stderr)
     res = {"model": fid["meta"]["model"], "context": L, "source": fid["result"]["source"],
            "positions": fid["result"]["positions"], "fidelity_command": fid["meta"]["command"],
-           "fidelity_date": fid["meta"]["date"], "plain_fp16_bytes_per_token": plain, "points": status(points)}
+           "fidelity_date": fid["meta"]["date"], "plain_fp16_bytes_per_token": plain, "points": status(points),
+           "long_context": args.long_context, "plain_fp16_long_bytes_per_token": plain_long}
     res["choices"] = choose(points, plain, args.near_lossless_kl)
     meta = metadata(res["model"], "python benchmarks/frontier.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     write_results(args.out, "frontier", args.name, meta, res, markdown(res, meta_markdown(meta)),

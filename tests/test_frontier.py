@@ -42,13 +42,18 @@ def test_frontier_end_to_end(tmp_path):
     out = tmp_path / "results"
     eval_main(["--model", str(folder), "--out", str(out), "--tag", "t", "fidelity", "--contexts", "384",
                "--chunk", "128", "--methods", "k2v2_g128,k4v4_g128+fp8,k8v8_g128+fp16:0,mlxq2,mlxq4"])
-    res = _frontier().main([str(out / "fidelity_t.json"), "--name", "t", "--model", str(folder), "--out", str(out)])
+    res = _frontier().main([str(out / "fidelity_t.json"), "--name", "t", "--model", str(folder), "--out", str(out),
+                              "--long-context", "640"])
     pts = {p["method"]: p for p in res["points"]}
     assert set(pts) == {"k2v2_g128", "k4v4_g128+fp8", "k8v8_g128+fp16:0", "mlxq2", "mlxq4"}
     # 2 layers, 1 kv head, head dim 64, K and V, float16.
     assert res["plain_fp16_bytes_per_token"] == 2 * 64 * 2 * 2
     assert pts["k2v2_g128"]["bytes_per_token"] < pts["k4v4_g128+fp8"]["bytes_per_token"] < res["plain_fp16_bytes_per_token"]
     assert pts["mlxq2"]["bytes_per_token"] < pts["mlxq4"]["bytes_per_token"]
+    # At 640 tokens the 128-token sink weighs less; mlx-lm's caches hold the same per token.
+    assert pts["k2v2_g128"]["long_bytes_per_token"] < pts["k2v2_g128"]["bytes_per_token"]
+    assert pts["mlxq4"]["long_bytes_per_token"] == pts["mlxq4"]["bytes_per_token"]
+    assert res["plain_fp16_long_bytes_per_token"] == res["plain_fp16_bytes_per_token"]
     # Layer 0 plain: at least half the plain cache's bytes.
     assert pts["k8v8_g128+fp16:0"]["bytes_per_token"] > res["plain_fp16_bytes_per_token"] / 2
     # The float32 run holds more than float16 K/V.
