@@ -92,22 +92,24 @@ def choose(points, plain, near_lossless_kl):
 def markdown(res, meta_md):
     L, plain, N = res["context"], res["plain_fp16_bytes_per_token"], res["long_context"]
     out = [f"# Memory-quality frontier: {res['model']}, {L} tokens\n", meta_md,
-           f"\nKL, top-1: `{res['fidelity_command']}` (text {res['source']}, {res['positions']}, float32 weights, "
-           f"fidelity run of {res['fidelity_date']}). Bytes/token: each method's caches filled with {L} tokens of float16 "
+           "\nKL, top-1: " + "; then ".join(f"`{r['command']}` ({r['date']}, attention {r['attention']})"
+                                            for r in res["fidelity_runs"])
+           + f" (a later run's rows replace an earlier one's; text {res['source']}, {res['positions']}, float32 "
+           f"weights). Bytes/token: each method's caches filled with {L} tokens of float16 "
            "K/V of the model's shapes and measured from the arrays held; \"growing layers\" leaves out "
            f"sliding-window layers (a fixed window whatever the method). Plain float16 cache: {plain:.0f} bytes/token "
            "in the growing layers. \"mlx-lm best at <= bytes\": the lowest mean KL of mlx-lm's QuantizedKVCache "
            "(group 64) at no more bytes; KVarN is on or below mlx-lm's frontier there when its KL is no higher. "
            "Pareto: no method of its own kind has fewer or equal bytes and a lower KL.\n",
-           "| method | K/V bits | KL mean | KL p99 | top-1 | bytes/token (growing layers) | vs plain fp16 | "
+           "| method | attention | K/V bits | KL mean | KL p99 | top-1 | bytes/token (growing layers) | vs plain fp16 | "
            "whole cache bytes/token | float32 run bytes/token | mlx-lm best at <= bytes | on/below mlx-lm | Pareto |"
            + (f" bytes/token at {N} tokens (vs plain) |" if N else ""),
-           "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if N else "")]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if N else "")]
     for p in sorted(res["points"], key=lambda p: p["bytes_per_token"]):
         other = f"{p['best_other']} ({p['best_other_kl']:.3g})" if p["best_other"] and not is_mlx(p["method"]) else (
             "none" if not is_mlx(p["method"]) else "")
         on = "" if p["on_or_below_mlx"] is None else ("yes" if p["on_or_below_mlx"] else "**no**")
-        out.append(f"| {p['method']} | {p['bits_kv']} | {p['kl_mean']:.3g} | {p['kl_p99']:.3g} | {p['top1_agree']:.3f} | "
+        out.append(f"| {p['method']} | {p['attention']} | {p['bits_kv']} | {p['kl_mean']:.3g} | {p['kl_p99']:.3g} | {p['top1_agree']:.3f} | "
                    f"{p['bytes_per_token']:.0f} | {plain / p['bytes_per_token']:.2f}x | {p['whole_bytes_per_token']:.0f} | "
                    f"{p['run_bytes_per_token']:.0f} | {other} | {on} | {'yes' if p['pareto'] else ''} |"
                    + (f" {p['long_bytes_per_token']:.0f} ({res['plain_fp16_long_bytes_per_token'] / p['long_bytes_per_token']:.2f}x) |"
@@ -162,7 +164,8 @@ def plot(res, folder):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("fidelity_json", type=Path)
+    p.add_argument("fidelity_json", type=Path, nargs="+",
+                   help="fidelity runs of one model and text; a later run's rows replace an earlier one's of the same method")
     p.add_argument("--name", required=True, help="suffix of the result files (frontier_<name>)")
     p.add_argument("--model", default=None, help="the model of the fidelity run (default: the embedded SmolLM2)")
     p.add_argument("--near-lossless-kl", type=float, default=1e-3)
@@ -170,26 +173,28 @@ def main(argv=None):
                    help="also measure bytes/token at this many tokens (where the sink and tail weigh less)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
-    fid = json.loads(args.fidelity_json.read_text())
-    rows, L = fid["result"]["rows"], max(r["context"] for r in fid["result"]["rows"])
+    runs = [json.loads(f.read_text()) for f in args.fidelity_json]
+    fid = runs[0]
+    L = max(r["context"] for r in fid["result"]["rows"])
+    rows = {r["method"]: {**r, "attention": run["meta"].get("attention")}
+            for run in runs for r in run["result"]["rows"] if r["context"] == L}.values()
     model, _ = load(args.model)
     points, plain = [], None
     for r in rows:
-        if r["context"] != L:
-            continue
         b = float16_bytes(model, r["method"], L, fid["result"]["chunk"])
         N = args.long_context
         long = float16_bytes(model, r["method"], N, fid["result"]["chunk"])["growing_bytes"] / N if N else None
         if r["method"] == "fp":
             plain, plain_long = b["growing_bytes"] / L, long
             continue
-        points.append({**{k: r[k] for k in ("method", "bits_kv", "kl_mean", "kl_p99", "top1_agree", "ppl_delta")},
+        points.append({**{k: r[k] for k in ("method", "bits_kv", "kl_mean", "kl_p99", "top1_agree", "ppl_delta", "attention")},
                        "bytes_per_token": b["growing_bytes"] / L, "whole_bytes_per_token": b["bytes"] / L,
                        "run_bytes_per_token": r["bytes"] / L, "long_bytes_per_token": long})
         print(f"{r['method']}: {points[-1]['bytes_per_token']:.0f} bytes/token, KL {r['kl_mean']:.4f}", file=sys.stderr)
     res = {"model": fid["meta"]["model"], "context": L, "source": fid["result"]["source"],
-           "positions": fid["result"]["positions"], "fidelity_command": fid["meta"]["command"],
-           "fidelity_date": fid["meta"]["date"], "plain_fp16_bytes_per_token": plain, "points": status(points),
+           "positions": fid["result"]["positions"],
+           "fidelity_runs": [{"command": run["meta"]["command"], "date": run["meta"]["date"],
+                              "attention": run["meta"].get("attention")} for run in runs], "plain_fp16_bytes_per_token": plain, "points": status(points),
            "long_context": args.long_context, "plain_fp16_long_bytes_per_token": plain_long}
     res["choices"] = choose(points, plain, args.near_lossless_kl)
     meta = metadata(res["model"], "python benchmarks/frontier.py " + " ".join(argv if argv is not None else sys.argv[1:]))

@@ -42,10 +42,15 @@ def test_frontier_end_to_end(tmp_path):
     out = tmp_path / "results"
     eval_main(["--model", str(folder), "--out", str(out), "--tag", "t", "fidelity", "--contexts", "384",
                "--chunk", "128", "--methods", "k2v2_g128,k4v4_g128+fp8,k8v8_g128+fp16:0,mlxq2,mlxq4"])
-    res = _frontier().main([str(out / "fidelity_t.json"), "--name", "t", "--model", str(folder), "--out", str(out),
+    # A second run (packed attention) replaces the first one's k2v2_g128 row.
+    eval_main(["--model", str(folder), "--out", str(out), "--tag", "p", "--attention", "packed", "fidelity",
+               "--contexts", "384", "--chunk", "128", "--methods", "k2v2_g128"])
+    res = _frontier().main([str(out / "fidelity_t.json"), str(out / "fidelity_p.json"), "--name", "t", "--model", str(folder), "--out", str(out),
                               "--long-context", "640"])
     pts = {p["method"]: p for p in res["points"]}
     assert set(pts) == {"k2v2_g128", "k4v4_g128+fp8", "k8v8_g128+fp16:0", "mlxq2", "mlxq4"}
+    assert pts["k2v2_g128"]["attention"] == "packed" and pts["mlxq2"]["attention"] == "dequant"
+    assert [r["attention"] for r in res["fidelity_runs"]] == ["dequant", "packed"]
     # 2 layers, 1 kv head, head dim 64, K and V, float16.
     assert res["plain_fp16_bytes_per_token"] == 2 * 64 * 2 * 2
     assert pts["k2v2_g128"]["bytes_per_token"] < pts["k4v4_g128+fp8"]["bytes_per_token"] < res["plain_fp16_bytes_per_token"]
