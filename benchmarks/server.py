@@ -89,7 +89,7 @@ def stream(client, prompt, max_tokens):
     return "".join(text), usage
 
 
-def run_one(name, model, flags, prompts, max_tokens, log_dir):
+def run_one(name, model, flags, prompts, max_tokens, log_dir, one_at_a_time=False):
     import openai
 
     with open(log_dir / f"server_{name.replace(' ', '_')}.log", "w") as log:
@@ -99,7 +99,7 @@ def run_one(name, model, flags, prompts, max_tokens, log_dir):
             stream(client, "Hello", 4)  # warm-up: model loaded, kernels built
             base = get(url + "/v1/kv_stats")
             t0 = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            with concurrent.futures.ThreadPoolExecutor(1 if one_at_a_time else len(prompts)) as pool:
                 results = list(pool.map(lambda p: stream(client, p, max_tokens), prompts))
             wall = time.perf_counter() - t0
             after = get(url + "/v1/kv_stats")
@@ -129,16 +129,22 @@ def markdown(meta, args, rows):
         "most tokens (measured after a batch step at most once a second): bytes of the arrays held. 'plain' is what mlx-lm's KVCache holds for "
         "those tokens in the model's dtype (float32 here), unpadded. 'prompt cache' is the LRU after the run "
         "(the conversations kept for prefix reuse). 'same as plain' counts replies equal to the plain "
-        "cache's, and gives the mean length of their common beginning in characters. The servers run one "
+        "cache's, and gives the mean length of their common beginning in characters; 'same as one at a time' "
+        "compares the KVarN server's batched replies with a fresh KVarN server answering the same requests "
+        "one after another (the 'one at a time' row). The servers run one "
         "after another. **CPU caveat**: 2 shared cores with other jobs running (the load changes between "
         "rows), MLX's CPU quantized matmul is slow and KVarN runs its MLX ops path here, so speeds say "
         "little about Apple silicon.", "",
         "| server | batched | wall s | total tok/s | generated tok/s | live seqs | live tokens | live KV MiB "
-        "| plain MiB for them | prompt cache MiB (seqs) | same as plain (common chars) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| plain MiB for them | prompt cache MiB (seqs) | same as plain (common chars) | same as one at a time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    alone = next((r for r in rows if r["name"].endswith("one at a time")), None)
     for r in rows:
         p = r["peak_live"]
+        vs_alone = "-"
+        if alone is not None and r["name"] == "kvarn":
+            vs_alone = f"{sum(a == b for a, b in zip(r['texts'], alone['texts']))}/{len(r['texts'])}"
         same = sum(a == b for a, b in zip(r["texts"], plain["texts"]))
         common = sum(len(os.path.commonprefix([a, b])) for a, b in zip(r["texts"], plain["texts"])) / len(r["texts"])
         out.append(
@@ -146,7 +152,7 @@ def markdown(meta, args, rows):
             f"| {r['wall_s']:.1f} | {r['total_tok_s']:.1f} | {r['generated_tok_s']:.2f} | {p['sequences']} "
             f"| {p['tokens']} | {mib(p['held'])} | {mib(p['plain'])} "
             f"| {mib(r['prompt_cache']['held'])} ({r['prompt_cache']['sequences']}) "
-            f"| {same}/{len(r['texts'])} ({common:.0f}) |")
+            f"| {same}/{len(r['texts'])} ({common:.0f}) | {vs_alone} |")
     return "\n".join(out) + "\n"
 
 
@@ -171,14 +177,15 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     common = ["--max-tokens", str(args.max_tokens), "--prompt-cache-size", str(2 * args.requests)]
-    servers = [("kvarn", ["--kv-preset", args.kv_preset]), ("plain", ["--kv-preset", "fp16"]),
+    servers = [("kvarn", ["--kv-preset", args.kv_preset]), ("kvarn one at a time", ["--kv-preset", args.kv_preset]),
+               ("plain", ["--kv-preset", "fp16"]),
                ("kv-bits 4", ["--kv-preset", "fp16", "--kv-bits", "4", "--quantized-kv-start", "0"])]
     logs = Path(tempfile.mkdtemp(prefix="kvarn_server_bench."))
     print(f"server logs in {logs}")
     rows = []
     for name, flags in servers:
         print(f"{name}: {' '.join(flags)}", flush=True)
-        rows.append(run_one(name, model, flags + common, prompts, args.max_tokens, logs))
+        rows.append(run_one(name, model, flags + common, prompts, args.max_tokens, logs, name.endswith("at a time")))
         r = rows[-1]
         print(f"  {r['wall_s']:.1f}s, {r['total_tok_s']:.1f} tok/s, live {r['peak_live']}", flush=True)
     meta = metadata(model.name, "python benchmarks/server.py " + " ".join(sys.argv[1:]))
