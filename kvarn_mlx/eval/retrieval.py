@@ -342,11 +342,11 @@ def plots(res, outdir):
         methods = list(res["summary"][task])
         cols = min(4, len(methods))
         rows = math.ceil(len(methods) / cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(2.2 + 1.1 * len(lengths) * cols, 1.2 + 0.45 * len(depths) * rows),
-                                 squeeze=False)
+        fig, axes = plt.subplots(rows, cols, figsize=(2.2 + max(1.6, 1.1 * len(lengths)) * cols,
+                                                      1.2 + max(1.8, 0.45 * len(depths)) * rows), squeeze=False)
         for ax in axes.flat[len(methods):]:
             ax.axis("off")
-        for ax, m in zip(axes.flat, methods):
+        for pos, (ax, m) in enumerate(zip(axes.flat, methods)):
             cells = res["summary"][task][m]["cells"]
             acc = np.array([[cells[f"{d}|{L}"][0] / max(cells[f"{d}|{L}"][1], 1) for L in lengths] for d in depths])
             im = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
@@ -359,8 +359,10 @@ def plots(res, outdir):
             ax.set_xticks(range(len(lengths)), [f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in lengths],
                           fontsize=7)
             ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
-            ax.set_xlabel("context (tokens)", fontsize=7)
-            ax.set_ylabel("needle depth", fontsize=7)
+            if pos + cols >= len(methods):  # the bottom panel of its column
+                ax.set_xlabel("context (tokens)", fontsize=7)
+            if pos % cols == 0:
+                ax.set_ylabel("needle depth", fontsize=7)
         fig.colorbar(im, ax=axes, shrink=0.6, label="accuracy")
         fig.suptitle(f"{task} retrieval: right / trials per needle depth and context length", fontsize=10)
         f = outdir / f"retrieval_{task}.png"
