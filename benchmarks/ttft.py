@@ -224,6 +224,24 @@ def load_average():
         return None
 
 
+def write(a, meta, load_start, contexts, methods, runs):
+    """The results so far as <out>/ttft[_tag].md, .json and .png; returns the markdown."""
+    rows = [summarize(m, ctx, runs[(ctx, m)]) for ctx in contexts for m in methods]
+    add_ratios(rows)
+    data = {"meta": meta, "load_start": load_start, "load_end": load_average(),
+            "chunk": a.chunk, "steps": a.steps, "repeats": a.repeats, "separate": a.separate, "rows": rows}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "ttft" + (f"_{a.tag}" if a.tag else "")
+    text = render(data)
+    if draw(rows, methods, out / f"{stem}.png"):
+        data["plots"] = [f"{stem}.png"]
+        text += f"\n![{stem}.png]({stem}.png)\n"
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    return text
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a model kvarn_mlx.loader.load accepts (default: the embedded one)")
@@ -266,8 +284,9 @@ def main(argv=None):
     command = "python benchmarks/ttft.py " + " ".join(argv if argv is not None else sys.argv[1:])
     load_start = load_average()
     ids_all = None if a.separate else tokens(tok, a.text, max(contexts))
+    meta = metadata(name, command)
     runs = {}
-    for ctx in contexts:
+    for i, ctx in enumerate(contexts):
         for rep in range(a.repeats):
             order = methods if rep % 2 == 0 else methods[::-1]
             for m in order:
@@ -275,19 +294,8 @@ def main(argv=None):
                 runs.setdefault((ctx, m), []).append(r)
                 print(f"{ctx:>6} {m:<12} TTFT {r['ttft_s']:8.2f}s  steps 1-3 ms "
                       f"{[round(1e3 * s) for s in r['decode_step_s'][:3]]}", file=sys.stderr, flush=True)
-    rows = [summarize(m, ctx, runs[(ctx, m)]) for ctx in contexts for m in methods]
-    add_ratios(rows)
-    data = {"meta": metadata(name, command), "load_start": load_start, "load_end": load_average(),
-            "chunk": a.chunk, "steps": a.steps, "repeats": a.repeats, "separate": a.separate, "rows": rows}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "ttft" + (f"_{a.tag}" if a.tag else "")
-    text = render(data)
-    if draw(rows, methods, out / f"{stem}.png"):
-        data["plots"] = [f"{stem}.png"]
-        text += f"\n![{stem}.png]({stem}.png)\n"
-    (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+        # Written after every context: a long run stopped early keeps what it measured.
+        text = write(a, meta, load_start, contexts[: i + 1], methods, runs)
     print(text)
     return 0
 
