@@ -73,17 +73,19 @@ def status(points):
     return points
 
 
-def choose(points, plain, near_lossless_kl):
-    """The recommended KVarN methods: fewest bytes; lowest KL at <= 1/2 and <= 1/4 of the
-    plain float16 cache's bytes; fewest bytes with KL <= near_lossless_kl."""
+def choose(points, plain, near_lossless_kl, usable_kl=0.1):
+    """The recommended KVarN methods: fewest bytes with KL <= usable_kl; lowest KL at <= 1/2
+    and <= 1/4 of the plain float16 cache's bytes; fewest bytes with KL <= near_lossless_kl."""
     kv = [p for p in points if not is_mlx(p["method"])]
+    usable = [p for p in kv if p["kl_mean"] <= usable_kl]
 
     def best(budget):
         fit = [p for p in kv if p["bytes_per_token"] <= budget]
         return min(fit, key=lambda p: p["kl_mean"])["method"] if fit else None
 
     lossless = [p for p in kv if p["kl_mean"] <= near_lossless_kl]
-    return {"most_context": min(kv, key=lambda p: (p["bytes_per_token"], p["kl_mean"]))["method"],
+    return {"most_context": min(usable, key=lambda p: (p["bytes_per_token"], p["kl_mean"]))["method"] if usable else None,
+            "usable_kl": usable_kl,
             "best_at_half_memory": best(plain / 2), "best_at_quarter_memory": best(plain / 4),
             "near_lossless": min(lossless, key=lambda p: (p["bytes_per_token"], p["kl_mean"]))["method"] if lossless else None,
             "near_lossless_kl": near_lossless_kl}
@@ -124,7 +126,8 @@ def markdown(res, meta_md):
     below = [p["method"] for p in res["points"] if p["on_or_below_mlx"] is False]
     out.append("\nKVarN methods above mlx-lm's frontier: " + (", ".join(below) if below else "none") + ".")
     c = res["choices"]
-    out.append(f"\nChoices by these numbers: most context {c['most_context']}; lowest KL at <= 1/2 of the plain "
+    out.append(f"\nChoices by these numbers: most context (fewest bytes with mean KL <= {c['usable_kl']}) "
+               f"{c['most_context']}; lowest KL at <= 1/2 of the plain "
                f"cache's bytes {c['best_at_half_memory']}; at <= 1/4 {c['best_at_quarter_memory']}; fewest bytes with "
                f"mean KL <= {c['near_lossless_kl']} {c['near_lossless']}.")
     return "\n".join(out) + "\n"
@@ -169,6 +172,7 @@ def main(argv=None):
     p.add_argument("--name", required=True, help="suffix of the result files (frontier_<name>)")
     p.add_argument("--model", default=None, help="the model of the fidelity run (default: the embedded SmolLM2)")
     p.add_argument("--near-lossless-kl", type=float, default=1e-3)
+    p.add_argument("--usable-kl", type=float, default=0.1, help="the most-context choice's largest mean KL")
     p.add_argument("--long-context", type=int, default=None,
                    help="also measure bytes/token at this many tokens (where the sink and tail weigh less)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -196,7 +200,7 @@ def main(argv=None):
            "fidelity_runs": [{"command": run["meta"]["command"], "date": run["meta"]["date"],
                               "attention": run["meta"].get("attention")} for run in runs], "plain_fp16_bytes_per_token": plain, "points": status(points),
            "long_context": args.long_context, "plain_fp16_long_bytes_per_token": plain_long}
-    res["choices"] = choose(points, plain, args.near_lossless_kl)
+    res["choices"] = choose(points, plain, args.near_lossless_kl, args.usable_kl)
     meta = metadata(res["model"], "python benchmarks/frontier.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     write_results(args.out, "frontier", args.name, meta, res, markdown(res, meta_markdown(meta)),
                   lambda folder: plot(res, folder))

@@ -31,10 +31,12 @@ def test_status_and_choices():
     by["k3v3_g128"]["kl_mean"] = 0.6
     assert not f.status(pts)[3]["on_or_below_mlx"] and not by["k3v3_g128"]["pareto"]
     assert by["k6v6_g128"]["pareto"] and by["mlxq2"]["pareto"]
-    c = f.choose(pts, plain=320, near_lossless_kl=1e-3)  # halves: 160, 80
+    c = f.choose(pts, plain=320, near_lossless_kl=1e-3, usable_kl=1)  # halves: 160, 80
     assert f.choose(pts, plain=240, near_lossless_kl=1e-4)["best_at_half_memory"] == "k6v6_g128"
     assert c["most_context"] == "k2v2_g128" and c["best_at_half_memory"] == "k8v8_g128"
     assert c["best_at_quarter_memory"] == "k4v4_g128" and c["near_lossless"] == "k8v8_g128"
+    # The fewest bytes only among usable caches: k2v2_g128's KL 0.3 is over 0.2.
+    assert f.choose(pts, plain=320, near_lossless_kl=1e-3, usable_kl=0.2)["most_context"] == "k4v4_g128"
 
 
 def test_frontier_end_to_end(tmp_path):
