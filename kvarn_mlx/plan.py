@@ -164,13 +164,22 @@ def read_hub(repo):
 
 
 def read_model(model=None):
-    """ModelInfo for None (the embedded default), a local folder or a Hub repo id."""
+    """ModelInfo for None (the embedded default), an embedded model's name
+    (embedded:<key>), a local folder or a Hub repo id."""
     if model is None:
         from .loader import DEFAULT_NAME, default_model_path
 
         return read_folder(default_model_path(), DEFAULT_NAME)
     if Path(model).expanduser().exists():
         return read_folder(model)
+    from . import loader
+
+    try:
+        m = loader.embedded(model)
+    except loader.ModelLoadError as e:
+        raise PlanError(str(e)) from None
+    if m is not None:  # converted once, as generate and the server do
+        return read_folder(loader.model_path(m), m.name)
     if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model):
         raise PlanError(f"no such model folder: {model}. Pass a folder with config.json, a Hugging Face repo id "
                         "(owner/name), or omit --model for the embedded default model")

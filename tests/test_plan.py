@@ -378,3 +378,13 @@ def test_hub_model_reads_config_and_file_sizes_only(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", gated)
     with pytest.raises(plan.PlanError, match="is gated on the Hugging Face Hub: .*`hf auth login`"):
         plan.read_model("google/gemma-3-270m")
+
+
+def test_embedded_model_names(capsys):
+    # As generate and the server take them: embedded:<key>, or the key alone.
+    from kvarn_mlx import loader
+
+    plan.main(["--model", f"embedded:{loader.DEFAULT.key}", "--memory", "24GB", "--json"])
+    assert json.loads(capsys.readouterr().out)["model"] == loader.DEFAULT.name
+    with pytest.raises(SystemExit, match="no embedded model 'nope'"):
+        plan.main(["--model", "embedded:nope"])
