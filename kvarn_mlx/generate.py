@@ -171,18 +171,11 @@ def load_model(spec):
 
 def load_shard(spec):
     """This rank's shard of the model (tensor parallel over every rank)."""
-    from pathlib import Path
-
     from mlx_lm.utils import sharded_load
 
     from . import loader
 
-    if spec is None:
-        path = loader.default_model_path()
-    elif not Path(spec).expanduser().exists() and (m := loader.embedded(spec)) is not None:
-        path = loader.model_path(m)
-    else:
-        path = spec
+    path = loader.embedded_path(spec) or spec
     return sharded_load(str(path), tensor_group=mx.distributed.init())
 
 

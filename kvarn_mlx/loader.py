@@ -149,15 +149,26 @@ def embedded(spec):
     return None
 
 
-def _resolve(model):
-    if model is None:
+def embedded_path(spec):
+    """The converted folder of the embedded model `spec` names (None: the
+    default), converting once; None when spec is an existing folder or names no
+    embedded model (ModelLoadError for an unknown "embedded:<key>")."""
+    if spec is None:
         return model_path(DEFAULT)
+    spec = str(spec)
+    if Path(spec).expanduser().exists() and not spec.startswith(EMBEDDED_PREFIX):
+        return None
+    m = embedded(spec)
+    return None if m is None else model_path(m)
+
+
+def _resolve(model):
+    if (path := embedded_path(model)) is not None:
+        return path
     path = Path(model).expanduser()
-    if path.exists() and not model.startswith(EMBEDDED_PREFIX):
+    if path.exists():
         _check_folder(path)
         return path
-    if (m := embedded(model)) is not None:
-        return model_path(m)
     if not _REPO_ID.match(model):
         raise ModelLoadError(
             f"no such model folder: {model}. Pass an existing MLX model folder, a "

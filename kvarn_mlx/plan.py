@@ -175,11 +175,11 @@ def read_model(model=None):
     from . import loader
 
     try:
-        m = loader.embedded(model)
+        path = loader.embedded_path(model)  # converted once, as generate and the server do
     except loader.ModelLoadError as e:
         raise PlanError(str(e)) from None
-    if m is not None:  # converted once, as generate and the server do
-        return read_folder(loader.model_path(m), m.name)
+    if path is not None:
+        return read_folder(path, path.name)
     if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model):
         raise PlanError(f"no such model folder: {model}. Pass a folder with config.json, a Hugging Face repo id "
                         "(owner/name), or omit --model for the embedded default model")

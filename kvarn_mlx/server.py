@@ -525,21 +525,19 @@ def main(argv=None, handler=None, parser=None):
 def _resolve_model(rest):
     """mlx-lm's argv with --model as a folder when it names an embedded model
     (embedded:<key>, or the key alone) or is missing (the default one)."""
-    from pathlib import Path
-
     from . import loader
 
     for i, a in enumerate(rest):
         if a == "--model" and i + 1 < len(rest) or a.startswith("--model="):
             spec = rest[i + 1] if a == "--model" else a.split("=", 1)[1]
             try:
-                m = None if Path(spec).expanduser().exists() else loader.embedded(spec)
+                path = loader.embedded_path(spec)
             except loader.ModelLoadError as e:
                 sys.exit(f"error: --model: {e}")
-            if m is None:
+            if path is None:
                 return rest
-            return [*rest[:i], "--model", str(loader.model_path(m)), *rest[i + (2 if a == "--model" else 1):]]
-    return [*rest, "--model", str(loader.default_model_path())]
+            return [*rest[:i], "--model", str(path), *rest[i + (2 if a == "--model" else 1):]]
+    return [*rest, "--model", str(loader.embedded_path(None))]
 
 
 def install_caches(preset, sink, provider=None):
