@@ -100,9 +100,9 @@ def make_caches(model, name):
     if name == "fp":
         return caches
     cls, cfg = method_cache(name)
-    n = len(caches)
-    plain = {i % n for i in _variant(name)[2] if -n <= i < n}
-    if len(plain) != len(set(_variant(name)[2])):
+    n, layers = len(caches), _variant(name)[2]
+    plain = {i % n for i in layers if -n <= i < n}
+    if len(plain) != len(set(layers)):
         raise ValueError(f"method {name!r}: the model has {n} layers (0..{n - 1}, or -1..-{n} from the end)")
     for i, c in enumerate(caches):
         if type(c) is KVCache and i not in plain:
