@@ -95,9 +95,42 @@ def _dequantize_value_codes(words, a, b, bits, D):
     return mx.dequantize(words, mx.repeat(a, rep, axis=-1), mx.repeat(b, rep, axis=-1), group_size=gs, bits=bits)
 
 
+# Bytes of float32 attention scores one block of a chunk's query rows may
+# materialize. Where scaled_dot_product_attention is not fused (CPU) it holds
+# the whole [B, Hq, L, N] score matrix a few times over, which at long context
+# outweighs the cache itself (2,048 queries over 32K keys, 4 heads: 512 MiB a
+# copy). Blocks of rows keep the prefill's transient near 4 x SCORE_BYTES, and
+# on CPU run slightly faster than one call.
+SCORE_BYTES = 16 * 2**20
+
+
+def query_block(B, Hq, N):
+    """Query rows per block so that B x Hq x rows x N float32 scores fit SCORE_BYTES."""
+    return max(16, SCORE_BYTES // (4 * B * Hq * max(N, 1)) // 16 * 16)
+
+
 def attend_dequantized(queries, view: StepView, scale, mask=None, sinks=None):
     """queries [B, Hq, L, D] over the view through mx.fast.scaled_dot_product_attention
     on its dequantized keys and values, in the queries' dtype; mask and sinks as
-    mlx-lm passes them ("causal", an array over all key positions, or None)."""
+    mlx-lm passes them ("causal", an array over all key positions, or None).
+    Long chunks attend in blocks of query rows (query_block), one after the
+    other: each block's queries depend on the previous block's output, or MLX
+    would run every block's score matmul before any softmax and hold them all.
+    Under the causal mask a block reads only the keys up to its last row."""
     k, v = dequantized(view, queries.dtype)
-    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
+    B, Hq, L, _ = queries.shape
+    N = k.shape[2]
+    rows = query_block(B, Hq, N)
+    if L <= rows:
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
+    causal = isinstance(mask, str) and mask == "causal"
+    out = []
+    for i in range(0, L, rows):
+        j = min(L, i + rows)
+        n = N - L + j if causal else N  # causal: the keys after row j are masked anyway
+        m = mask
+        if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L:
+            m = mask[..., i:j, :]
+        q = queries[:, :, i:j] if not out else mx.depends(queries[:, :, i:j], out[-1])
+        out.append(mx.fast.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], scale=scale, mask=m, sinks=sinks))
+    return mx.concatenate(out, axis=2)

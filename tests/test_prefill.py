@@ -199,3 +199,54 @@ def test_logits_only_prefill_leaves_no_quantization_pending(with_depends, monkey
     assert cache[0].n_tiles == 9
     pending = sum(_pending_ops(c.tiles.arrays()) for c in cache)
     assert (pending == 0) == with_depends, pending
+
+
+@pytest.mark.parametrize("kind", ["causal", "causal_array", "additive_per_head", "sinks", "none"])
+def test_query_blocks(monkeypatch, kind):
+    # A chunk longer than query_block attends in blocks of rows: the same output as one
+    # call over all rows (and as the oracle under the causal mask), for every kind of mask.
+    case = (64, 3, 64, 4, 2, 128, 128 + 3 * 64 + 20, 100)
+    cache, q, alive = _view_of_step(case, seed=2)
+    view = cache.step_view()
+    L, T, Hq = q.shape[2], cache.offset, q.shape[1]
+    rng = np.random.default_rng(4)
+    mask, sinks = ("causal" if kind in ("causal", "sinks") else None), None
+    if kind == "causal_array":
+        mask = create_causal_mask(L, T - L)
+    elif kind == "additive_per_head":
+        mask = mx.array(rng.normal(0, 2, (1, Hq, L, T)).astype(np.float32))
+    elif kind == "sinks":
+        sinks = mx.array(rng.normal(1.0, 1.0, (Hq,)).astype(np.float32))
+    whole = prefill.attend_dequantized(q, view, 0.125, mask=mask, sinks=sinks)
+    rows = prefill.query_block(1, Hq, T)
+    assert rows >= L  # the default budget: one block here
+    monkeypatch.setattr(prefill, "SCORE_BYTES", 4 * Hq * T * 32)  # 32 rows a block: 4 blocks, the last short
+    assert prefill.query_block(1, Hq, T) == 32
+    calls = []
+    real = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", lambda q, *a, **k: calls.append(q.shape[2]) or real(q, *a, **k))
+    blocked = prefill.attend_dequantized(q, view, 0.125, mask=mask, sinks=sinks)
+    assert calls == [32, 32, 32, 4]
+    np.testing.assert_allclose(np.array(blocked), np.array(whole), rtol=1e-5, atol=1e-5)
+    if kind == "causal":
+        check_close(blocked, reference_output(cache, q, 0.125, causal=True), "blocked vs reference")
+
+
+def test_query_blocks_bound_the_peak():
+    # 1,024 queries over 8,192 dequantized keys: one call materializes 9 x 1,024 x 8,192
+    # float32 scores (288 MiB) a few times over; in blocks, about 4 x SCORE_BYTES.
+    rng = np.random.default_rng(5)
+    cache = KVarNCache("k4v2_g128")
+    k, v = kv_data(rng, 1, 3, 7 * 1024, 64)
+    feed(cache, k, v)
+    q, _, _, K, V = step(cache, rng, 1, 9, 1024, 64)
+    view = cache.step_view()
+    mx.eval(q, *view.tiles.arrays(), view.recent_k, view.recent_v, view.sink_k, view.sink_v)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(prefill.attend_dequantized(q, view, 0.125, mask="causal"))
+    extra = mx.get_peak_memory() - base
+    scores = 4 * 9 * 1024 * cache.offset
+    print(f"peak above the inputs: {extra / 2**20:.0f} MiB")
+    assert extra < 6 * prefill.SCORE_BYTES < scores / 2, (extra / 2**20, scores / 2**20)
