@@ -28,6 +28,7 @@ buffers and the cache, everything) is that method's alone:
 import argparse
 import gc
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -82,7 +83,10 @@ def run_one(model, ids, method, chunk, steps):
         if cpu_ttft is None:
             cpu_ttft = time.process_time() - c0
     times = [t for t, _ in out]
+    steady = mx.get_active_memory()  # weights + the cache, transients released
     return {
+        "steady_memory": steady,
+        "process_rss_after": rss_now(),
         "ttft_s": times[0] - t0,
         "ttft_cpu_s": cpu_ttft,
         "decode_step_s": list(np.diff(times)),
@@ -97,6 +101,15 @@ def warm_up(model, ids, methods, chunk):
     load lazily on first use, which would otherwise land in the first method's TTFT."""
     for m in methods:
         run_one(model, ids[: min(len(ids), 2 * 128 + 40)], m, chunk, 2)
+
+
+def rss_now():
+    """This process's resident memory now in bytes (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def rss_peak():
@@ -141,6 +154,8 @@ def summarize(method, context, runs):
         "decode_step_s": [float(s) for s in steps],
         "decode_tokens_per_s": float(1 / np.median(later)),
         "peak_memory": max(r["peak_memory"] for r in runs),
+        "steady_memory": runs[-1].get("steady_memory"),
+        "process_rss_after": runs[-1].get("process_rss_after"),
         "cache_bytes": runs[-1]["cache_bytes"],
         "tokens": runs[-1]["tokens"],
     }
@@ -179,15 +194,18 @@ def render(data):
     if data.get("separate"):
         md.append("Each method ran in a process of its own (--separate): process peak = that process's ru_maxrss "
                   "(resident memory: Python, MLX, model weights, prefill buffers and cache, all of it), loaded = "
-                  "ru_maxrss after loading the model and tokenizing, before the generation.\n")
+                  "ru_maxrss after loading the model and tokenizing, before the generation. Steady = after the last "
+                  "decode step with the cache alive: MLX's active memory (weights + cache) and the process's resident "
+                  "memory (RSS; MLX keeps freed buffers for reuse, so it stays near the peak).\n")
         md += ["| context | method | process peak MiB | vs plain | loaded MiB | peak - loaded MiB | MLX peak MiB | "
-               "MLX peak vs plain | cache MiB |", "|---|---|---|---|---|---|---|---|---|"]
+               "MLX peak vs plain | steady MLX MiB | steady RSS MiB | cache MiB |",
+               "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in data["rows"]:
             md.append(f"| {r['context']} | {r['method']} | {r['process_peak'] / 2**20:.0f} | "
                       f"{r.get('process_peak_vs_plain', float('nan')):.2f}x | {r['process_peak_before_run'] / 2**20:.0f} | "
                       f"{(r['process_peak'] - r['process_peak_before_run']) / 2**20:.0f} | "
                       f"{r['peak_memory'] / 2**20:.0f} | {r.get('peak_vs_plain', float('nan')):.2f}x | "
-                      f"{r['cache_bytes'] / 2**20:.1f} |")
+                      f"{mib(r.get('steady_memory'))} | {mib(r.get('process_rss_after'))} | {r['cache_bytes'] / 2**20:.1f} |")
         md.append("")
     md += ["| context | method | TTFT s | TTFT vs plain | TTFT CPU s | CPU vs plain | step 1 ms | step 2 ms | step 3 ms | "
            "step 1 vs plain | decode tok/s | decode vs plain | peak MiB | cache MiB |",
@@ -200,6 +218,10 @@ def render(data):
                   f"{r.get('decode_speed_vs_plain', float('nan')):.2f}x | {r['peak_memory'] / 2**20:.0f} | "
                   f"{r['cache_bytes'] / 2**20:.1f} |")
     return "\n".join(md) + "\n"
+
+
+def mib(x):
+    return "-" if x is None else f"{x / 2**20:.0f}"
 
 
 def draw(rows, methods, path):
