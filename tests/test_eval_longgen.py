@@ -63,6 +63,12 @@ def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(longgen, "_one_prompt", lambda *a, **k: pytest.fail("ran a finished prompt again"))
     again = main(argv, model=model, tokenizer=tok, model_name="tiny")
     assert np.array_equal(again["methods"]["k2v2_g128"]["kl"], first["methods"]["k2v2_g128"]["kl"])
+    # Fewer methods reuse the prompts too; a method the checkpoint lacks, or other settings, do not.
+    fewer = main([*argv[:6], "mlxq4", *argv[7:]], model=model, tokenizer=tok, model_name="tiny")
+    assert np.array_equal(fewer["methods"]["mlxq4"]["kl"], first["methods"]["mlxq4"]["kl"])
+    for changed in ([*argv[:6], "mlxq4,k4v2_g128", *argv[7:]], [*argv[:8], "299", *argv[9:]]):
+        with pytest.raises(pytest.fail.Exception, match="ran a finished prompt again"):
+            main(changed, model=model, tokenizer=tok, model_name="tiny")
 
 
 def test_prompt_count_checked(tiny, tmp_path):

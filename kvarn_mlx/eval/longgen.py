@@ -62,7 +62,8 @@ def add_arguments(p):
     p.add_argument("--prompts", type=int, default=4, help=f"questions (the first N of {len(QUESTIONS)})")
     p.add_argument("--chunk", type=int, default=2048, help="prompt tokens per prefill step")
     p.add_argument("--checkpoint", default=None,
-                   help="jsonl of finished prompts: a run that stops resumes from it (default: none)")
+                   help="jsonl of finished prompts: a run that stops resumes from it, and a run with the same "
+                   "settings and fewer methods reuses it (default: none)")
 
 
 def run(args, model, tokenizer, methods, meta_md):
@@ -102,9 +103,12 @@ def longgen(model, tokenizer, methods, steps=2048, prompts=4, chunk=2048, attent
     settings = {"steps": steps, "chunk": chunk, "methods": methods, "attention": attention_mode}
     done = {}
     if checkpoint and Path(checkpoint).exists():
+        # A prompt finished with the same settings and at least these methods is reused.
         for line in Path(checkpoint).read_text().splitlines():
             row = json.loads(line)
-            if row["settings"] == settings:
+            same = {k: v for k, v in row["settings"].items() if k != "methods"} == \
+                {k: v for k, v in settings.items() if k != "methods"}
+            if same and set(methods) <= set(row["methods"]):
                 done[row["question"]] = row
     res = {"steps": steps, "prompts": [], "chunk": chunk, "eos_masked": sorted(eos),
            "methods": {m: {"kl_per_prompt": [], "first_divergence": [], "agreement": []} for m in methods}}
