@@ -119,6 +119,13 @@ def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(retrieval, "answer", lambda *a, **k: pytest.fail("ran a finished prompt again"))
     again = main(argv, model=model, tokenizer=tok, model_name="tiny")
     assert again["records"] == res["records"]
+    # Fewer methods and a subset of the lengths reuse it too, with the other methods' answers dropped.
+    fewer = main([*argv[:6], "k4v2_g128", "--lengths", "500", *argv[9:]], model=model, tokenizer=tok, model_name="tiny")
+    assert [r["answers"] for r in fewer["records"]] == \
+        [{m: r["answers"][m] for m in ("fp", "k4v2_g128")} for r in res["records"] if r["length"] == 500]
+    # A method the checkpoint lacks is not taken from it.
+    with pytest.raises(pytest.fail.Exception, match="ran a finished prompt again"):
+        main([*argv[:6], "k2v2_g128", *argv[7:]], model=model, tokenizer=tok, model_name="tiny")
 
 
 def test_unknown_task(tiny, tmp_path):

@@ -61,7 +61,7 @@ def add_arguments(p):
     p.add_argument("--answer-tokens", type=int, default=8)
     p.add_argument("--checkpoint", default=None,
                    help="jsonl of finished prompts: a run that stops resumes from it, and a run with more "
-                        "lengths, depths or trials (same other settings) reuses it (default: none)")
+                        "lengths, depths or trials, or fewer methods (same other settings), reuses it (default: none)")
 
 
 def run(args, model, tokenizer, methods, meta_md):
@@ -202,7 +202,7 @@ def retrieval(model, tokenizer, methods, tasks, lengths, depths, trials, keys=4,
                     prefill_step_size=prefill_step_size, answer_tokens=answer_tokens, methods=methods,
                     attention=attention_mode)
     # A record depends on these settings and on its own task, length, depth and trial, so a
-    # checkpoint serves any run that shares them (more lengths, depths or trials reuse it).
+    # checkpoint serves any run that shares them (more lengths, depths or trials, or fewer methods).
     shared = {k: settings[k] for k in ("keys", "digits", "seed", "prefill_step_size", "answer_tokens", "methods",
                                        "attention")}
     done = _load_checkpoint(checkpoint, shared)
@@ -240,12 +240,17 @@ def retrieval(model, tokenizer, methods, tasks, lengths, depths, trials, keys=4,
 
 
 def _load_checkpoint(path, shared):
+    """Records made with the same settings and at least these methods (answers of the others dropped)."""
     done = {}
+    want = json.loads(json.dumps(shared))
     if path and Path(path).exists():
         for line in Path(path).read_text().splitlines():
             row = json.loads(line)
-            if row["settings"] == json.loads(json.dumps(shared)):
-                r = row["record"]
+            same = {k: v for k, v in row["settings"].items() if k != "methods"} == \
+                {k: v for k, v in want.items() if k != "methods"}
+            if same and set(want["methods"]) <= set(row["settings"]["methods"]):
+                r = dict(row["record"])
+                r["answers"] = {m: r["answers"][m] for m in want["methods"]}
                 done[_key(r["task"], r["length"], r["depth"], r["trial"])] = r
     return done
 
