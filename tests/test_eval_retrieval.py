@@ -28,6 +28,10 @@ def test_wilson_known_values():
     assert retrieval.wilson(10, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
     assert retrieval.wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
     assert retrieval.wilson(0, 0) == (0.0, 1.0)
+    # All right or all wrong: the interval holds 1 or 0 exactly (6/6 rounded to 0.9999999999999999 once,
+    # and the table said the plain cache was outside its own interval).
+    for n in range(1, 200):
+        assert retrieval.wilson(n, n)[1] == 1.0 and retrieval.wilson(0, n)[0] == 0.0
 
 
 def test_chunks_as_mlx_lm_generate_step():

@@ -265,7 +265,8 @@ def wilson(k, n, z=1.96):
     p = k / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    # All right (or all wrong) bounds the interval at exactly 1 (0); rounding may miss it by an ulp.
+    return (0.0 if k == 0 else max(0.0, centre - half), 1.0 if k == n else min(1.0, centre + half))
 
 
 def summarize(records, methods, tasks, lengths, depths):
