@@ -181,6 +181,18 @@ def test_packed_and_dequant_attention_agree(name):
     np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), atol=2e-4, rtol=2e-4)
 
 
+def test_auto_presets_attend_packed_in_either_mode(model):
+    # Their key-rotation choice reads the step's queries, which only the packed path hands the
+    # cache: "dequant" mode leaves them unwrapped (the keys standing in chose otherwise on Gemma).
+    from kvarn_mlx.eval.runner import for_model
+    for name in ("auto2", "auto4v2", "k2v2_g128"):
+        cache = make_caches(model, name)
+        wrapped = [isinstance(c, Dequantized) for c in for_model(cache, "dequant")]
+        assert wrapped == [not name.startswith("auto")] * len(cache), name
+    a, b = (fidelity(model, Bytes(), ["auto2"], [384], chunk=128, attention_mode=m)["rows"] for m in ("dequant", "packed"))
+    assert [r["kl_mean"] for r in a] == [r["kl_mean"] for r in b]
+
+
 def test_attention_modes_give_the_same_numbers(model):
     methods = ["kvarn2", "affine2", "mlxq4"]
     a, b = (fidelity(model, Bytes(), methods, [384], chunk=128, attention_mode=m)["rows"] for m in ("dequant", "packed"))

@@ -17,10 +17,9 @@ By default (--attention dequant) the model sees each quantized cache as a plain
 one holding its dequantized K/V, and mlx-lm's attention
 (mx.fast.scaled_dot_product_attention) runs over them: the same numbers as the
 packed path up to float rounding, and about twice as fast on CPU at 2K tokens.
-Not for the auto presets: their per-head key-rotation choice reads the step's
-queries, which only the packed path hands the cache (without them the keys
-stand in; on Gemma-3-270M auto2's KL was 0.54 that way, 0.038 packed): run
-them with --attention packed.
+The auto presets always take the packed path: their per-head key-rotation
+choice reads the step's queries, which only that path hands the cache (with
+the keys standing in, Gemma-3-270M's auto2 had KL 0.54; with the queries 0.038).
 --attention packed is the product's path: kvarn_mlx's packed attention (and
 mlx-lm's quantized attention for mlxqB).
 """

@@ -210,10 +210,17 @@ def for_model(caches, mode):
     """The cache list the model runs with: in "packed" mode the caches themselves
     (KVarN caches attend through kvarn_mlx's packed attention, mlx-lm's
     QuantizedKVCache through mlx-lm's quantized attention); in "dequant" mode
-    every quantized cache behind Dequantized: the same numbers up to float
-    rounding, and much faster on CPU."""
+    every quantized cache behind Dequantized (the same numbers up to float
+    rounding, and faster on CPU) except an "auto" KVarN cache (needs_queries)."""
     if mode not in ATTENTION_MODES:
         raise ValueError(f"attention mode {mode!r}: use one of {ATTENTION_MODES}")
     if mode == "packed":
         return caches
-    return [Dequantized(c) if isinstance(c, (KVarNCache, QuantizedKVCache)) else c for c in caches]
+    return [Dequantized(c) if isinstance(c, (KVarNCache, QuantizedKVCache)) and not needs_queries(c) else c
+            for c in caches]
+
+
+def needs_queries(cache):
+    """An "auto" KVarN cache chooses its key rotation from the step's queries, which only
+    the packed path hands it: it attends through that path in either mode."""
+    return isinstance(cache, KVarNCache) and cache.config.rotate_keys == "auto"
