@@ -68,7 +68,7 @@ def test_prompts(tiny, task, depth):
         assert text.endswith(f"The secret number for {asked} is")
 
 
-@pytest.mark.parametrize("method", ["kvarn2", "auto4v2", "k2v2_g128"])
+@pytest.mark.parametrize("method", ["kvarn2", "k2v2_g128"])
 def test_first_chunk_from_plain_kv_equals_running_the_model(tiny, method):
     _, model, tok = tiny
     ids, *_ = retrieval.make_prompt(tok, "passkey", 700, 0.5, random.Random(0))
@@ -89,9 +89,11 @@ def test_first_chunk_from_plain_kv_equals_running_the_model(tiny, method):
             assert u.shape == v.shape and mx.array_equal(u, v).item()
 
 
-def test_plain_cache_is_not_replayed_into_mlx_lm_quantized(tiny):
+def test_plain_cache_is_not_replayed_into_mlx_lm_quantized_or_auto(tiny):
     _, model, _ = tiny
     assert not retrieval.replayable(make_caches(model, "mlxq4"))
+    # An auto preset chooses its key rotation with the first chunk's queries, which a replay lacks.
+    assert not retrieval.replayable(make_caches(model, "auto4v2"))
 
 
 def test_summary_counts_and_interval():

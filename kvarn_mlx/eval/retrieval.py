@@ -34,7 +34,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..cache import KVarNCache
 from .methods import make_caches, method_bits
-from .runner import Progress, for_model, pyplot
+from .runner import Progress, for_model, needs_queries, pyplot
 
 NAME = "retrieval"
 HELP = "passkey / multi-key needle retrieval: accuracy by needle depth and context length"
@@ -163,8 +163,9 @@ def first_chunk_kv(caches):
 
 def replayable(caches):
     """Whether a method's first chunk can be built from the plain cache's keys and values:
-    every layer a KVarNCache, which attends to its own chunk in full precision."""
-    return all(isinstance(c, KVarNCache) for c in caches)
+    every layer a KVarNCache, which attends to its own chunk in full precision, and none
+    "auto" (its key-rotation choice reads the chunk's queries, which a replay does not have)."""
+    return all(isinstance(c, KVarNCache) and not needs_queries(c) for c in caches)
 
 
 def answer(model, ids, caches, step, n_answer, first_kv=None, on_first_chunk=None):
