@@ -30,7 +30,7 @@ from mlx_lm.models import cache as mlx_cache
 from ..cache import KVarNCache
 from .decode import _greedy, _prefill_last
 from .methods import make_caches, method_bits
-from .runner import Progress, for_model, log_softmax, pyplot
+from .runner import Progress, for_model, log_softmax, pyplot, reusable
 
 NAME = "longgen"
 HELP = "long greedy generation: per-step KL on the plain cache's trajectory, first divergence"
@@ -106,9 +106,7 @@ def longgen(model, tokenizer, methods, steps=2048, prompts=4, chunk=2048, attent
         # A prompt finished with the same settings and at least these methods is reused.
         for line in Path(checkpoint).read_text().splitlines():
             row = json.loads(line)
-            same = {k: v for k, v in row["settings"].items() if k != "methods"} == \
-                {k: v for k, v in settings.items() if k != "methods"}
-            if same and set(methods) <= set(row["methods"]):
+            if reusable(row["settings"], settings):
                 done[row["question"]] = row
     res = {"steps": steps, "prompts": [], "chunk": chunk, "eos_masked": sorted(eos),
            "methods": {m: {"kl_per_prompt": [], "first_divergence": [], "agreement": []} for m in methods}}

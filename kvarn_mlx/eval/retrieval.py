@@ -34,7 +34,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..cache import KVarNCache
 from .methods import make_caches, method_bits
-from .runner import Progress, for_model, needs_queries, pyplot
+from .runner import Progress, for_model, needs_queries, pyplot, reusable
 
 NAME = "retrieval"
 HELP = "passkey / multi-key needle retrieval: accuracy by needle depth and context length"
@@ -247,9 +247,7 @@ def _load_checkpoint(path, shared):
     if path and Path(path).exists():
         for line in Path(path).read_text().splitlines():
             row = json.loads(line)
-            same = {k: v for k, v in row["settings"].items() if k != "methods"} == \
-                {k: v for k, v in want.items() if k != "methods"}
-            if same and set(want["methods"]) <= set(row["settings"]["methods"]):
+            if reusable(row["settings"], want):
                 r = dict(row["record"])
                 r["answers"] = {m: r["answers"][m] for m in want["methods"]}
                 done[_key(r["task"], r["length"], r["depth"], r["trial"])] = r

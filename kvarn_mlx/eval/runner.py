@@ -224,3 +224,11 @@ def needs_queries(cache):
     """An "auto" KVarN cache chooses its key rotation from the step's queries, which only
     the packed path hands it: it attends through that path in either mode."""
     return isinstance(cache, KVarNCache) and cache.config.rotate_keys == "auto"
+
+
+def reusable(saved, wanted):
+    """Whether a checkpoint row made with settings `saved` serves a run with settings
+    `wanted`: the same settings apart from "methods", of which it holds every wanted one."""
+    def rest(settings):
+        return {k: v for k, v in settings.items() if k != "methods"}
+    return rest(saved) == rest(wanted) and set(wanted["methods"]) <= set(saved["methods"])
