@@ -9,6 +9,8 @@ tiles are a contiguous view that quantized_matmul reads as it is; the Metal
 kernel gets the whole storage and the count of valid tiles.
 """
 
+import os
+import threading
 from dataclasses import replace
 
 import mlx.core as mx
@@ -67,9 +69,10 @@ def attend(queries, view: StepView, scale, mask=None, sinks=None):
     """The MLX ops path: queries [B, Hq, L, D] over the view's sink [B, H, S, D],
     tiles [0, n_tiles) of its storage and recent tokens [B, H, R, D]; one softmax.
 
-    The softmax is taken part by part (sink, tiles, recent) against a shared
-    maximum, so tile scores stay in the storage's tile-major layout: no
-    concatenated score matrix, and the tiles are contiguous views."""
+    Each part (sink, a range of tiles, recent) gives its own maximum, sum and
+    output, merged as in flash decoding; tile scores stay in the storage's
+    tile-major layout, and on the CPU the tile ranges run on separate streams,
+    one per core (MLX's CPU quantized_matmul uses one thread)."""
     B, Hq, L, D = queries.shape
     sk, sv, rk, rv = view.sink_k, view.sink_v, view.recent_k, view.recent_v
     H = sk.shape[1]
@@ -83,53 +86,101 @@ def attend(queries, view: StepView, scale, mask=None, sinks=None):
     S, R = sk.shape[2], rk.shape[2]
     mask_sink, mask_tiles, mask_recent = _split_mask(mask, L, (S, n, G, R), Hq, H, n_rep)
 
-    def dense_scores(k, m):
-        return _apply_mask((q @ mx.swapaxes(k, -1, -2).astype(f32)).reshape(B, H, n_rep, L, -1), m)
+    def dense(k, v, m):
+        s = _apply_mask((q @ mx.swapaxes(k, -1, -2).astype(f32)).reshape(B, H, n_rep, L, -1), m)
+        return _softmax_part(s.reshape(B, H, rows, -1), lambda e: e @ v.astype(f32))
 
-    parts = []  # (scores [.., rows, cols], values) per non-empty part; tile scores [n, B, H, rows, G]
+    parts = []  # (max, sum, output) [B, H, rows, 1 | 1 | D] per non-empty part
     if S:
-        parts.append((dense_scores(sk, mask_sink).reshape(B, H, rows, S), sv))
+        parts.append(dense(sk, sv, mask_sink))
     if tiles is not None:
         q_rot = quant.rotated_where(view.rotate_k, q, quant.rotate)
-        kw = tiles.k_words[:n]
-        ka, kb, kt = (fp8.to_float32(x[:n]) for x in (tiles.k_a, tiles.k_b, tiles.k_t))  # scales as float32
-        st = mx.quantized_matmul(q_rot[None], kw, ka[..., None], kb[..., None],
-                                 transpose=False, group_size=G, bits=view.k_bits)
-        st = st * kt[:, :, :, None, :]
-        if mask_tiles is not None:
-            st = _apply_mask(st.reshape(n, B, H, n_rep, L, G), mask_tiles).reshape(n, B, H, rows, G)
-        parts.append((st, None))
+        tile_parts = []
+        for (lo, hi), stream in _tile_ranges(n):
+            with mx.stream(stream):
+                m_t = None if mask_tiles is None else mask_tiles[lo:hi]
+                tile_parts.append(_tile_part(q_rot, tiles, lo, hi, view, m_t, (B, H, n_rep, L)))
+        m, total, o_rot = _merge(tile_parts)
+        parts.append((m, total, quant.unrotate(o_rot) if view.rotate_v else o_rot))
     if R:
-        parts.append((dense_scores(rk, mask_recent).reshape(B, H, rows, R), rv))
-
-    # One softmax over all parts (and a learned sink logit per query head, which takes mass).
-    m = None
-    for s, _ in parts:
-        s_max = s.max(axis=(0, -1)) if s.ndim == 5 else s.max(axis=-1)
-        m = s_max if m is None else mx.maximum(m, s_max)
-    if sinks is not None:
-        sink_logit = mx.broadcast_to(sinks.astype(f32).reshape(1, H, n_rep, 1), (B, H, n_rep, L)).reshape(B, H, rows)
-        m = mx.maximum(m, sink_logit)
-    m = m[..., None]
-    total = mx.zeros((B, H, rows, 1), f32) if sinks is None else mx.exp(sink_logit[..., None] - m)
-    o = mx.zeros((B, H, rows, D), f32)
-    for s, values in parts:
-        if values is None:  # the tiles
-            e = mx.exp(s - m[None])
-            total = total + e.sum(axis=(0, -1))[..., None]
-            o_rot = (_tile_values(e, tiles, n, view.v_bits, D) * fp8.to_float32(tiles.v_c[:n])[:, :, :, None, :]).sum(axis=0)
-            o = o + (quant.unrotate(o_rot) if view.rotate_v else o_rot)
-        else:
-            e = mx.exp(s - m)
-            total = total + e.sum(axis=-1, keepdims=True)
-            o = o + e @ values.astype(f32)
+        parts.append(dense(rk, rv, mask_recent))
+    if sinks is not None:  # a learned sink logit per query head: takes mass, adds no value
+        sink_logit = mx.broadcast_to(sinks.astype(f32).reshape(1, H, n_rep, 1), (B, H, n_rep, L)).reshape(B, H, rows, 1)
+        parts.append((sink_logit, mx.ones_like(sink_logit), mx.zeros((B, H, rows, D), f32)))
+    m, total, o = _merge(parts)
     return (o / total).reshape(B, Hq, L, D).astype(queries.dtype)
 
 
-def _tile_values(p, tiles, n, bits, D):
-    """sum_g p[g] * (code[g, d] * a[g] + b[g]) for p [n, B, H, rows, G]: [n, B, H, rows, D]."""
-    words = tiles.v_words[:n]
-    a, b = (fp8.to_float32(x[:n]) for x in (tiles.v_a, tiles.v_b))
+def _softmax_part(s, values, axes=-1):
+    """Scores s' maximum over `axes`, the sum of their exponentials and values(e)."""
+    # A fully masked part must not give exp(-inf - -inf): its weight in the merge is 0 anyway.
+    m = mx.maximum(s.max(axis=axes, keepdims=True), mx.finfo(mx.float32).min)
+    e = mx.exp(s - m)
+    return m, e.sum(axis=axes, keepdims=True), values(e)
+
+
+def _tile_part(q_rot, tiles, lo, hi, view, mask, shape):
+    """Tiles [lo, hi): (max, sum, output in the rotated basis), [B, H, rows, 1 | 1 | D]."""
+    B, H, n_rep, L = shape
+    k = hi - lo
+    G, D = tiles.group_size, q_rot.shape[-1]
+    ka, kb, kt = (fp8.to_float32(x[lo:hi]) for x in (tiles.k_a, tiles.k_b, tiles.k_t))  # scales as float32
+    st = mx.quantized_matmul(q_rot[None], tiles.k_words[lo:hi], ka[..., None], kb[..., None],
+                             transpose=False, group_size=G, bits=view.k_bits)
+    st = st * kt[:, :, :, None, :]  # [k, B, H, rows, G]
+    if mask is not None:
+        st = _apply_mask(st.reshape(k, B, H, n_rep, L, G), mask).reshape(k, B, H, n_rep * L, G)
+
+    def values(e):
+        v = _tile_values(e, tiles, lo, hi, view.v_bits, D) * fp8.to_float32(tiles.v_c[lo:hi])[:, :, :, None, :]
+        return v.sum(axis=0)
+
+    m, total, o = _softmax_part(st, values, axes=(0, -1))
+    return m[0], total[0], o
+
+
+def _merge(parts):
+    """One softmax from parts' (max, sum, output): rescale each to the shared maximum."""
+    if len(parts) == 1:
+        return parts[0]
+    m = parts[0][0]
+    for p in parts[1:]:
+        m = mx.maximum(m, p[0])
+    total = o = 0
+    for m_p, total_p, o_p in parts:
+        w = mx.exp(m_p - m)
+        total = total + w * total_p
+        o = o + w * o_p
+    return m, total, o
+
+
+# On the CPU, tile ranges of at least MIN_STREAM_TILES tiles run on up to
+# CPU_STREAMS streams: MLX's CPU quantized_matmul uses one thread, and this
+# machine's 2 cores decode fastest with 2 (3 or 4 were slower: benchmarks/results/decode_speed.md).
+CPU_STREAMS = max(1, min(2, os.cpu_count() or 1))
+MIN_STREAM_TILES = 4
+_local = threading.local()  # MLX streams belong to the thread that made them
+
+
+def _tile_ranges(n):
+    """[((lo, hi), stream)] covering tiles [0, n): the current stream alone, or
+    on the CPU one range per stream."""
+    device = mx.default_device()
+    here = mx.default_stream(device)
+    k = min(CPU_STREAMS, n // MIN_STREAM_TILES) if device == mx.cpu else 1
+    if k <= 1:
+        return [((0, n), here)]
+    streams = getattr(_local, "streams", None)
+    if streams is None or len(streams) < k - 1:
+        streams = _local.streams = [mx.new_stream(device) for _ in range(k - 1)]
+    cuts = [n * i // k for i in range(k + 1)]
+    return [((cuts[i], cuts[i + 1]), s) for i, s in enumerate([here] + streams[: k - 1])]
+
+
+def _tile_values(p, tiles, lo, hi, bits, D):
+    """sum_g p[g] * (code[g, d] * a[g] + b[g]) over tiles [lo, hi), p [k, B, H, rows, G]: [k, B, H, rows, D]."""
+    words = tiles.v_words[lo:hi]
+    a, b = (fp8.to_float32(x[lo:hi]) for x in (tiles.v_a, tiles.v_b))
     gs = next((g for g in (128, 64, 32) if D % g == 0), None)
     if gs is None:  # no group size of mx.quantized_matmul fits D (e.g. 80)
         code = quant.unpack(words, bits).astype(mx.float32)

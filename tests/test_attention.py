@@ -414,3 +414,70 @@ def test_nan_key_in_the_tail_behaves_like_a_float_cache_until_quantized():
     cache.update_and_fetch(*(mx.array(x) for x in kv_data(rng, 1, 1, 1, D)))
     assert cache.n_tiles == 2
     assert np.isfinite(np.array(packed_attention(q, cache, D**-0.5))).all()
+
+
+# -- tile ranges on separate CPU streams ----------------------------------------------
+
+def _many_tiles(rng, L, preset="k2v2_g64"):
+    """A cache with enough tiles (13) to be split across CPU streams, and a step of L queries."""
+    return _cache_with_step(rng, D=64, H=2, gqa=3, L=L, preset=preset, T=128 + 13 * 64 + 20)
+
+
+@pytest.mark.parametrize("kind", ["decode", "causal", "bool_per_head", "additive", "sinks"])
+def test_tile_ranges_on_cpu_streams_match_one_range_and_the_reference(kind, monkeypatch):
+    from kvarn_mlx import attention
+
+    rng = np.random.default_rng(11)
+    L = 1 if kind == "decode" else 5
+    cache, q, K, V = _many_tiles(rng, L)
+    T, D = cache.offset, q.shape[-1]
+    mask, sinks = ("causal" if L > 1 else None), None
+    if kind == "bool_per_head":
+        m = rng.random((1, q.shape[1], L, T)) < 0.6
+        m[..., -1] = True
+        mask = mx.array(m)
+    elif kind == "additive":
+        mask = mx.array(rng.normal(0, 2, (1, 1, L, T)).astype(np.float32))
+    elif kind == "sinks":
+        sinks = mx.array(rng.normal(1.0, 1.0, (q.shape[1],)).astype(np.float32))
+    ranges = []
+    real = attention._tile_ranges
+    monkeypatch.setattr(attention, "_tile_ranges", lambda n: ranges.append(real(n)) or ranges[-1])
+
+    with mx.stream(mx.cpu):
+        monkeypatch.setattr(attention, "CPU_STREAMS", 2)
+        split = attention.attend(q, cache.step_view(), D**-0.5, mask, sinks)
+        monkeypatch.setattr(attention, "CPU_STREAMS", 1)
+        one = attention.attend(q, cache.step_view(), D**-0.5, mask, sinks)
+    assert [len(r) for r in ranges] == [2, 1]  # the split did happen, then did not
+    assert [hi - lo for (lo, hi), _ in ranges[0]] == [6, 7] and ranges[0][0][1] != ranges[0][1][1]
+    check_close(split, np.array(one).astype(np.float64), f"two streams vs one, {kind}", atol=1e-5, rtol=1e-5)
+    if kind in ("decode", "causal"):
+        check_close(split, reference_output(cache, q, D**-0.5, causal=True), f"two streams vs reference, {kind}")
+    else:
+        want = mx.fast.scaled_dot_product_attention(q, K, V, scale=D**-0.5, mask=mask, sinks=sinks)
+        check_close(split, np.array(want).astype(np.float64), f"two streams vs SDPA over K/V, {kind}")
+
+
+def test_tile_streams_belong_to_each_thread():
+    # MLX streams are per thread: the mlx-lm server decodes in a thread of its own.
+    import threading
+
+    rng = np.random.default_rng(12)
+    cache, q, _, _ = _many_tiles(rng, 1)
+    want = np.array(packed_attention(q, cache, 0.125))
+    got, errors = [], []
+
+    def run():
+        try:
+            with mx.stream(mx.new_stream(mx.cpu)):  # as mlx-lm's generation_stream
+                got.append(np.array(packed_attention(q, cache, 0.125)))
+        except Exception as e:  # pragma: no cover - the failure this test is for
+            errors.append(e)
+
+    for _ in range(2):
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+    assert not errors, errors
+    assert len(got) == 2 and all(np.allclose(g, want, atol=1e-6) for g in got)
