@@ -110,6 +110,8 @@ def metadata(model_name, command=None):
                     "memory_gib": mem, "device": str(mx.default_device())},
         "openblas_preloaded": blas,
         "ld_preload": os.environ.get("LD_PRELOAD"),
+        # OpenBLAS's idle threads spin (OPENBLAS_THREAD_TIMEOUT) on the cores other CPU streams use
+        "blas_env": {k: v for k, v in os.environ.items() if k.startswith(("OPENBLAS_", "OMP_NUM_THREADS"))},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
@@ -120,7 +122,12 @@ def meta_markdown(meta):
             f"mlx {v['mlx']}, mlx-lm {v['mlx_lm']}, numpy {v['numpy']}, python {v['python']}, "
             f"kvarn_mlx {v['kvarn_mlx_git']}  \nMachine: {m['system']}, {m['cpus']} cpus, "
             f"{m['memory_gib']} GiB, {m['device']}; OpenBLAS preloaded: "
-            f"{meta['openblas_preloaded']}  \nDate: {meta['date']}\n")
+            f"{meta['openblas_preloaded']}{_blas_env(meta)}  \nDate: {meta['date']}\n")
+
+
+def _blas_env(meta):
+    env = meta.get("blas_env") or {}
+    return "".join(f", {k}={v}" for k, v in sorted(env.items()))
 
 
 def pyplot():
