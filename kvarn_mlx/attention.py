@@ -9,8 +9,6 @@ tiles are a contiguous view that quantized_matmul reads as it is; the Metal
 kernel gets the whole storage and the count of valid tiles.
 """
 
-import os
-import threading
 from dataclasses import replace
 
 import mlx.core as mx
@@ -154,27 +152,16 @@ def _merge(parts):
     return m, total, o
 
 
-# On the CPU, tile ranges of at least MIN_STREAM_TILES tiles run on up to
-# CPU_STREAMS streams: MLX's CPU quantized_matmul uses one thread, and this
-# machine's 2 cores decode fastest with 2 (3 or 4 were slower: benchmarks/results/decode_speed.md).
-CPU_STREAMS = max(1, min(2, os.cpu_count() or 1))
+# On the CPU, tiles split into ranges of at least MIN_STREAM_TILES tiles, one
+# per stream (dispatch.cpu_streams): MLX's CPU quantized_matmul uses one thread.
 MIN_STREAM_TILES = 4
-_local = threading.local()  # MLX streams belong to the thread that made them
 
 
 def _tile_ranges(n):
-    """[((lo, hi), stream)] covering tiles [0, n): the current stream alone, or
-    on the CPU one range per stream."""
-    device = mx.default_device()
-    here = mx.default_stream(device)
-    k = min(CPU_STREAMS, n // MIN_STREAM_TILES) if device == mx.cpu else 1
-    if k <= 1:
-        return [((0, n), here)]
-    streams = getattr(_local, "streams", None)
-    if streams is None or len(streams) < k - 1:
-        streams = _local.streams = [mx.new_stream(device) for _ in range(k - 1)]
-    cuts = [n * i // k for i in range(k + 1)]
-    return [((cuts[i], cuts[i + 1]), s) for i, s in enumerate([here] + streams[: k - 1])]
+    """[((lo, hi), stream)] covering tiles [0, n): one range per stream."""
+    streams = dispatch.cpu_streams(n // MIN_STREAM_TILES)
+    cuts = [n * i // len(streams) for i in range(len(streams) + 1)]
+    return [((cuts[i], cuts[i + 1]), s) for i, s in enumerate(streams)]
 
 
 def _tile_values(p, tiles, lo, hi, bits, D):

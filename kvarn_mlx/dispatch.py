@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import mlx.core as mx
 
@@ -113,3 +114,24 @@ def quantize(k, v, config, rotate_k, rotate_v) -> Tiles:
         rotate_k = False
     return Tiles(*quantize_keys(k, c.k_bits, c.iters, bool(rotate_k), c.scale_dtype),
                  *quantize_values(v, c.v_bits, c.iters, bool(rotate_v), c.scale_dtype))
+
+
+# MLX's CPU quantized_matmul uses one thread; independent work on a CPU stream
+# of its own uses another core. 3 or 4 streams were slower than 2 on a 2-core
+# machine (benchmarks/results/decode_speed.md).
+CPU_STREAMS = max(1, min(2, os.cpu_count() or 1))
+_local = threading.local()  # MLX streams belong to the thread that made them
+
+
+def cpu_streams(k):
+    """min(k, CPU_STREAMS) streams of this thread on the CPU, the current one first;
+    on other devices the current stream alone."""
+    device = mx.default_device()
+    here = mx.default_stream(device)
+    k = min(k, CPU_STREAMS) if device == mx.cpu else 1
+    if k <= 1:
+        return [here]
+    more = getattr(_local, "streams", [])
+    if len(more) < k - 1:
+        more = _local.streams = more + [mx.new_stream(device) for _ in range(k - 1 - len(more))]
+    return [here] + more[: k - 1]

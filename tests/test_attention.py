@@ -445,9 +445,9 @@ def test_tile_ranges_on_cpu_streams_match_one_range_and_the_reference(kind, monk
     monkeypatch.setattr(attention, "_tile_ranges", lambda n: ranges.append(real(n)) or ranges[-1])
 
     with mx.stream(mx.cpu):
-        monkeypatch.setattr(attention, "CPU_STREAMS", 2)
+        monkeypatch.setattr(attention.dispatch, "CPU_STREAMS", 2)
         split = attention.attend(q, cache.step_view(), D**-0.5, mask, sinks)
-        monkeypatch.setattr(attention, "CPU_STREAMS", 1)
+        monkeypatch.setattr(attention.dispatch, "CPU_STREAMS", 1)
         one = attention.attend(q, cache.step_view(), D**-0.5, mask, sinks)
     assert [len(r) for r in ranges] == [2, 1]  # the split did happen, then did not
     assert [hi - lo for (lo, hi), _ in ranges[0]] == [6, 7] and ranges[0][0][1] != ranges[0][1][1]
