@@ -14,9 +14,9 @@ attention path: packed attention for KVarN, mlx-lm's quantized attention for
 QuantizedKVCache. The share of decode time spent quantizing tiles: one tile
 quantized in every layer through the cache's own path (dispatch.quantize, the
 Metal kernel where there is one), spread over the G decode steps that fill it,
-against the measured decode step. CPU caveat: MLX's CPU quantized matmul is slow (about 1.8
-GFLOP/s here) while float32 matmul runs on OpenBLAS, so these ratios say
-nothing about Apple silicon, where the quantized kernels are fast.
+against the measured decode step. CPU caveat: MLX's CPU quantized matmul is slow and single-threaded
+while float32 matmul runs on OpenBLAS, so these ratios say nothing about
+Apple silicon, where the quantized kernels are fast.
 """
 
 import argparse
@@ -111,11 +111,11 @@ def render(data):
           "random K/V to the context. fp = mlx-lm KVCache holding the model's float32 K/V; mlxqB = mlx-lm "
           "QuantizedKVCache (group 64, B bits, its own quantized attention, no sink/tail); KVarN presets use packed "
           "attention. Methods decode round-robin, one step each in turn, so load from other processes hits all "
-          "alike (other jobs shared the 2 cores during this run: absolute tok/s are noisy, ratios less so). Cache bytes are "
+          "alike (absolute tok/s are noisy when other jobs share the machine, ratios less so). Cache bytes are "
           "measured from the held arrays; 'vs fp16' compares with a 2-byte fp16 KVCache (half the float32 one). "
-          "Process peak memory is in the json. **CPU caveat**: MLX's CPU quantized matmul is about 1.8 GFLOP/s while float32 "
-          "matmul runs on OpenBLAS here, so quantized caches look slow on this machine; these ratios do not "
-          "predict Apple-silicon speed.\n",
+          "Process peak memory is in the json. **CPU caveat**: MLX's CPU quantized matmul is slow and single-threaded "
+          "while float32 matmul runs on OpenBLAS here (KVarN splits its tiles over two CPU streams); these ratios do "
+          "not predict Apple-silicon speed.\n",
           "| context | method | tok/s | speed vs fp | cache MiB | smaller than fp (float32) | smaller than fp16 |",
           "|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
