@@ -15,7 +15,7 @@ import weakref
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from . import dispatch, quant, rotation
+from . import commits, dispatch, quant, rotation
 from .config import DEFAULT_PRESET, KVarNConfig, get_preset
 from .tiles import ARRAYS, StepView, Tiles, append
 
@@ -81,6 +81,8 @@ class KVarNCache(_BaseCache):
         # A short step's tile quantized into the storage's room: "tile", or "first" if
         # its queries also chose the "auto" key rotation; committed at the next update.
         self.provisional = None
+        # (commits.stamp, Tiles): the waiting tiles, quantized in another cache's commit.
+        self.batched = None
         self.n_sink = self.n_tail = 0
         self.sink_k = self.sink_v = self.tail_k = self.tail_v = None
         self.tiles = None
@@ -146,6 +148,8 @@ class KVarNCache(_BaseCache):
         if short and self.n_tail > G:
             step.split = L - (self.n_tail - G)
             step.later = self._later_view(n_seen, step.split)
+        if short and self.n_tail >= G and not self.provisional:
+            commits.register(self)  # quantized at the next update, with the other layers'
         keys, values = self.dequantized(step)
         # The step's full-precision tokens serve this step only: the view lives
         # exactly as long as the returned arrays (which hold those tokens anyway).
@@ -201,6 +205,8 @@ class KVarNCache(_BaseCache):
         if self.provisional:
             self.tiles.count += 1
             m, self.provisional = 1, None
+        elif (new := commits.take(self)) is not None:
+            self.tiles = append(self.tiles, new, self.step_tiles)
         else:
             B, H, _, D = k.shape
             self._append(k[..., : m * G, :].reshape(B, H, m, G, D), v[..., : m * G, :].reshape(B, H, m, G, D))
@@ -321,6 +327,7 @@ class KVarNCache(_BaseCache):
         if self.key_candidates is not None:
             self.decide_key_rotation()
         keep = self.offset - n
+        self.batched = None
         S, G = self.config.sink_size, self.config.group_size
         # A provisional tile needs its tokens, and a "first" one the token whose
         # query chose the key rotation (else the next tile's first query chooses).

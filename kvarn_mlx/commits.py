@@ -1,0 +1,92 @@
+"""Whole tiles that short steps left waiting in KVarN caches' tails, quantized
+in one call.
+
+A decode step fills the tail of every layer at the same step, and each layer
+commits its tile at its next update (cache.py, `short_step`). One
+dispatch.quantize over all of them, the layers' (and batch rows') kv heads
+side by side, is the same math per tile as one call per layer, but one graph
+of ops instead of one per layer: on the CPU the ops path costs mostly per op
+(30 layers of the embedded model: about 3x less time, see docs/architecture.md).
+
+A cache registers when its update leaves whole tiles waiting. The first
+registered cache to commit quantizes, with its own, the tiles of every
+registered cache that still holds what it registered (same token counts) with
+the same shapes and settings, and leaves each its result. Per thread, like the
+steps that fill the tiles.
+"""
+
+import threading
+import weakref
+
+import mlx.core as mx
+
+from . import dispatch
+from .tiles import ARRAYS, Tiles
+
+_local = threading.local()
+
+
+def stamp(cache):
+    """What a waiting cache holds, as far as its tiles go: changed by every update and trim."""
+    return cache.offset, cache.n_tiles, cache.n_tail
+
+
+def register(cache):
+    """cache's tail holds whole tiles that its next update commits."""
+    waiting = _local.__dict__.setdefault("waiting", [])
+    waiting.append((weakref.ref(cache), stamp(cache)))
+
+
+def _key(cache):
+    """Caches with equal keys quantize in one call; None: this one quantizes alone
+    (the first tiles of an "auto" preset keep both key variants, rotation.py; a
+    subclass may quantize another way)."""
+    from .cache import KVarNCache
+
+    c, G = cache.config, cache.config.group_size
+    if type(cache).quantize is not KVarNCache.quantize or cache.key_candidates is not None:
+        return None
+    if c.rotate_keys == "auto" and cache.rotate_k is True:
+        return None
+    B, _, _, D = cache.tail_k.shape
+    return c.k_bits, c.v_bits, G, c.iters, c.scale_dtype, bool(cache.rotate_v), B, D, cache.tail_k.dtype, cache.n_tail // G
+
+
+def take(cache) -> Tiles | None:
+    """The packed tiles [B, H, m, G, D] of cache's waiting tiles, quantized with
+    every waiting peer's; None: quantize them alone."""
+    done, cache.batched = cache.batched, None
+    if done is not None and done[0] == stamp(cache):
+        return done[1]
+    live = []
+    for ref, s in getattr(_local, "waiting", []):
+        c = ref()
+        if c is not None and s == stamp(c) and not any(c is x for x in live):
+            live.append(c)
+    key = _key(cache)
+    if key is None or not any(c is cache for c in live):
+        return None
+    peers = [c for c in live if _key(c) == key]
+    _local.waiting = [(weakref.ref(c), stamp(c)) for c in live if _key(c) != key]
+    if len(peers) < 2:
+        return None
+    m, G = key[-1], cache.config.group_size
+    heads = [c.tail_k.shape[1] for c in peers]
+
+    def tiles_of(tail):
+        return mx.concatenate([t[..., : m * G, :].reshape(t.shape[0], t.shape[1], m, G, t.shape[3]) for t in tail], axis=1)
+
+    flags = [c.rotate_k for c in peers]
+    if all(isinstance(f, bool) and f == flags[0] for f in flags):
+        rotate_k = flags[0]
+    else:
+        rotate_k = mx.concatenate([f if isinstance(f, mx.array) else mx.full((h,), f, mx.bool_)
+                                   for f, h in zip(flags, heads)])
+    new = dispatch.quantize(tiles_of([c.tail_k for c in peers]), tiles_of([c.tail_v for c in peers]),
+                            cache.config, rotate_k, cache.rotate_v)
+    cuts = [sum(heads[: i + 1]) for i in range(len(heads) - 1)]
+    parts = zip(*(mx.split(x, cuts, axis=1) for x in new.arrays()))
+    for c, arrays in zip(peers, parts):
+        c.batched = (stamp(c), Tiles(**dict(zip(ARRAYS, arrays))))
+    done, cache.batched = cache.batched, None
+    return done[1]
