@@ -108,19 +108,22 @@ def normalize(M, iters=8):
     row stds come from the row update's, so the imbalance costs no pass."""
     log_c = mx.zeros((*M.shape[:-2], 1, M.shape[-1]), mx.float32)
     log_r = mx.zeros((*M.shape[:-1], 1), mx.float32)
+    c, r = mx.ones_like(log_c), mx.ones_like(log_r)  # exp(log_c), exp(log_r): one exp each per iteration
     col, row = _std(M, -2), _std(M, -1)  # of the current iterate
-    best, sc_best, sr_best = _imbalance(col, row), mx.ones_like(log_c), mx.ones_like(log_r)
+    best, sc_best, sr_best = _imbalance(col, row), c, r
     for _ in range(iters):
         log_c = mx.clip(log_c + mx.log(mx.clip(col, 1e-3, 1e3)), -0.3, 10)
-        row_c = _std(M / mx.exp(log_c), -1)  # over exp(log_r): the iterate's row stds
-        log_r = mx.clip(log_r + mx.log(mx.clip(row_c / mx.exp(log_r), 1e-3, 1e3)), -0.3, 10)
-        row = row_c / mx.exp(log_r)
-        col = _std(M / mx.exp(log_r), -2) / mx.exp(log_c)
+        c = mx.exp(log_c)
+        row_c = _std(M / c, -1)  # over r: the iterate's row stds
+        log_r = mx.clip(log_r + mx.log(mx.clip(row_c / r, 1e-3, 1e3)), -0.3, 10)
+        r = mx.exp(log_r)
+        row = row_c / r
+        col = _std(M / r, -2) / c
         imb = _imbalance(col, row)
         better = imb <= best
         best = mx.where(better, imb, best)
-        sc_best = mx.where(better, mx.exp(log_c), sc_best)
-        sr_best = mx.where(better, mx.exp(log_r), sr_best)
+        sc_best = mx.where(better, c, sc_best)
+        sr_best = mx.where(better, r, sr_best)
     return M / sc_best / sr_best, sc_best, sr_best
 
 
