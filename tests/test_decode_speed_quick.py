@@ -27,7 +27,8 @@ def test_decode_speed_quick(tmp_path):
         assert r["cache_bytes"] > 0
     presets = [m for m in ds.METHODS if m != "fp" and not m.startswith("mlxq")]
     assert [(o["method"], o["context"]) for o in data["overhead"]] == [(m, c) for m in presets for c in contexts]
-    assert all(0 < o["fraction_of_decode"] and o["tile_s_all_layers_iters0"] > 0 for o in data["overhead"])
+    assert all(0 < o["fraction_of_decode"] and o["tile_s_all_layers_iters0"] > 0 and o["tile_s_per_layer_calls"] > 0
+               for o in data["overhead"])
     md = (out / "decode_speed.md").read_text()
     assert "python benchmarks/decode_speed.py --quick" in md and "dispatch.quantize" in md
     assert (out / "decode_speed.png").stat().st_size > 0
