@@ -113,9 +113,10 @@ def tile_overhead(n_layers, H, D, cfg, reps=5):
             x.update_and_fetch(first, first)  # the sink and a first tile ("auto": decided at the next update)
         out = []
         for _ in range(reps):
-            for _ in range(G):  # the tails fill: the next update commits
+            while caches[0].n_tail < G:  # the tails fill: the next update commits
                 step()
             out.append(step())
+            assert caches[0].n_tail == 1
         return float(np.median(out))
 
     return once(cfg), once(replace(cfg, iters=0))
