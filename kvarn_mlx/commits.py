@@ -28,7 +28,8 @@ _local = threading.local()
 
 
 def stamp(cache):
-    """What a waiting cache holds, as far as its tiles go: changed by every update and trim."""
+    """What a waiting cache holds, as far as its tiles go: every update changes it (a
+    trim and an update can restore it, so a trim drops the cache's result, cache.trim)."""
     return cache.offset, cache.n_tiles, cache.n_tail
 
 
