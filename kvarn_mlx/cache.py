@@ -228,6 +228,19 @@ class KVarNCache(_BaseCache):
             self.decide_row, self.provisional = row, "first"
         return self._view(n_seen + 1, self.tail_k[..., G : self.n_tail, :], self.tail_v[..., G : self.n_tail, :])
 
+    def commit_key(self):
+        """Caches with equal keys quantize their waiting tiles in one call (commits.py);
+        None: this one quantizes alone (the first tiles of an "auto" preset keep both
+        key variants; a subclass may quantize another way)."""
+        c = self.config
+        if type(self).quantize is not KVarNCache.quantize or self.key_candidates is not None:
+            return None
+        if c.rotate_keys == "auto" and self.rotate_k is True:
+            return None
+        B, _, _, D = self.tail_k.shape
+        return (c.k_bits, c.v_bits, c.group_size, c.iters, c.scale_dtype, bool(self.rotate_v), B, D,
+                self.tail_k.dtype, self.n_tail // c.group_size)
+
     def quantize(self, k, v) -> Tiles:
         """Full-precision tiles k, v [B, H, m, G, D] -> their packed Tiles.
 

@@ -12,7 +12,7 @@ benchmarks/results/decode_speed.md).
 A cache registers when its update leaves whole tiles waiting. The first
 registered cache to commit quantizes, with its own, the tiles of every
 registered cache that still holds what it registered (same token counts) with
-the same shapes and settings, and leaves each its result. Per thread, like the
+the same `commit_key()` (shapes and settings), and leaves each its result. Per thread, like the
 steps that fill the tiles.
 """
 
@@ -39,21 +39,6 @@ def register(cache):
     waiting.append((weakref.ref(cache), stamp(cache)))
 
 
-def _key(cache):
-    """Caches with equal keys quantize in one call; None: this one quantizes alone
-    (the first tiles of an "auto" preset keep both key variants, rotation.py; a
-    subclass may quantize another way)."""
-    from .cache import KVarNCache
-
-    c, G = cache.config, cache.config.group_size
-    if type(cache).quantize is not KVarNCache.quantize or cache.key_candidates is not None:
-        return None
-    if c.rotate_keys == "auto" and cache.rotate_k is True:
-        return None
-    B, _, _, D = cache.tail_k.shape
-    return c.k_bits, c.v_bits, G, c.iters, c.scale_dtype, bool(cache.rotate_v), B, D, cache.tail_k.dtype, cache.n_tail // G
-
-
 def take(cache) -> Tiles | None:
     """The packed tiles [B, H, m, G, D] of cache's waiting tiles, quantized with
     every waiting peer's; None: quantize them alone."""
@@ -65,11 +50,11 @@ def take(cache) -> Tiles | None:
         c = ref()
         if c is not None and s == stamp(c) and not any(c is x for x in live):
             live.append(c)
-    key = _key(cache)
+    key = cache.commit_key()
     if key is None or not any(c is cache for c in live):
         return None
-    peers = [c for c in live if _key(c) == key]
-    _local.waiting = [(weakref.ref(c), stamp(c)) for c in live if _key(c) != key]
+    peers = [c for c in live if c.commit_key() == key]
+    _local.waiting = [(weakref.ref(c), stamp(c)) for c in live if c.commit_key() != key]
     if len(peers) < 2:
         return None
     m, G = key[-1], cache.config.group_size
