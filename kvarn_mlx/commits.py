@@ -45,16 +45,16 @@ def take(cache) -> Tiles | None:
     done, cache.batched = cache.batched, None
     if done is not None and done[0] == stamp(cache):
         return done[1]
-    live = []
+    live = {}  # id -> (cache, its key), registered caches still holding what they registered
     for ref, s in getattr(_local, "waiting", []):
         c = ref()
-        if c is not None and s == stamp(c) and not any(c is x for x in live):
-            live.append(c)
+        if c is not None and s == stamp(c):
+            live[id(c)] = (c, c.commit_key())
     key = cache.commit_key()
-    if key is None or not any(c is cache for c in live):
+    if key is None or id(cache) not in live:
         return None
-    peers = [c for c in live if c.commit_key() == key]
-    _local.waiting = [(weakref.ref(c), stamp(c)) for c in live if c.commit_key() != key]
+    peers = [c for c, k in live.values() if k == key]
+    _local.waiting = [(weakref.ref(c), stamp(c)) for c, k in live.values() if k != key]
     if len(peers) < 2:
         return None
     m, G = key[-1], cache.config.group_size
