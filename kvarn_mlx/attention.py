@@ -168,14 +168,11 @@ def _tile_values(p, tiles, lo, hi, bits, D):
     """sum_g p[g] * (code[g, d] * a[g] + b[g]) over tiles [lo, hi), p [k, B, H, rows, G]: [k, B, H, rows, D]."""
     words = tiles.v_words[lo:hi]
     a, b = (fp8.to_float32(x[lo:hi]) for x in (tiles.v_a, tiles.v_b))
-    gs = next((g for g in (128, 64, 32) if D % g == 0), None)
-    if gs is None:  # no group size of mx.quantized_matmul fits D (e.g. 80)
+    groups = quant.row_groups(a, b, D)
+    if groups is None:
         code = quant.unpack(words, bits).astype(mx.float32)
         return p @ (code * a[..., None] + b[..., None])
-    # Per-token scales repeat over the D/gs groups of a row.
-    rep = D // gs
-    a = mx.repeat(a[..., None], rep, axis=-1)
-    b = mx.repeat(b[..., None], rep, axis=-1)
+    gs, a, b = groups
     return mx.quantized_matmul(p, words, a, b, transpose=False, group_size=gs, bits=bits)
 
 

@@ -86,13 +86,11 @@ def _unrotate(x, flag):
 
 def _dequantize_value_codes(words, a, b, bits, D):
     """code * a + b of value tiles (float32 a, b [B, H, n, G]): [B, H, n, G, D] float32."""
-    gs = next((g for g in (128, 64, 32) if D % g == 0), None)
-    a, b = a[..., None], b[..., None]
-    if gs is None:  # no group size of mx.dequantize fits D (e.g. 80)
-        return quant.unpack(words, bits).astype(mx.float32) * a + b
-    # V codes are packed along channels: one (a, b) per token row, repeated over its D/gs groups.
-    rep = D // gs
-    return mx.dequantize(words, mx.repeat(a, rep, axis=-1), mx.repeat(b, rep, axis=-1), group_size=gs, bits=bits)
+    groups = quant.row_groups(a, b, D)
+    if groups is None:
+        return quant.unpack(words, bits).astype(mx.float32) * a[..., None] + b[..., None]
+    gs, a, b = groups
+    return mx.dequantize(words, a, b, group_size=gs, bits=bits)
 
 
 # Bytes of float32 attention scores one block of a chunk's query rows may

@@ -175,6 +175,19 @@ def unpack(words, bits):
     return c.reshape(*words.shape[:-1], -1)
 
 
+def row_groups(a, b, D):
+    """mx.quantized_matmul / mx.dequantize operands for codes packed along D with
+    one (a, b) per row [..., rows]: (group size, a, b [..., rows, D/gs]), or None
+    where no group size fits D (e.g. 80)."""
+    gs = next((g for g in (128, 64, 32) if D % g == 0), None)
+    if gs is None:
+        return None
+    a, b = a[..., None], b[..., None]
+    if D > gs:  # the row's scales repeat over its D/gs groups (no gather when D == gs)
+        a, b = mx.repeat(a, D // gs, axis=-1), mx.repeat(b, D // gs, axis=-1)
+    return gs, a, b
+
+
 def balance_exponents(a, b, col):
     """Split a power of two between (a, b) and col so float16 storage neither
     overflows nor underflows; (code*a + b)*col is unchanged."""
