@@ -73,8 +73,10 @@ def held_bytes(caches):
 
 
 def decode_rates(model, all_caches, steps, warmup=2):
-    """Tokens/s from the median seconds per decode step for each cache list, stepping the methods
-    round-robin so that load from other processes hits them alike."""
+    """Median seconds per decode step for each cache list, and of its graph
+    building alone (the model call, Python: mlx-lm's generate_step builds the
+    next step while this one evaluates, on the same CPU cores here), stepping
+    the methods round-robin so that load from other processes hits them alike."""
     toks = [mx.array([[1]]) for _ in all_caches]
     times = [[] for _ in all_caches]
     for i in range(warmup + steps):
@@ -82,10 +84,11 @@ def decode_rates(model, all_caches, steps, warmup=2):
             t0 = time.perf_counter()
             y = model(toks[j], cache=caches)
             toks[j] = mx.argmax(y[:, -1:], axis=-1)
+            t1 = time.perf_counter()
             mx.eval(toks[j])
             if i >= warmup:
-                times[j].append(time.perf_counter() - t0)
-    return [float(np.median(t)) for t in times]
+                times[j].append((time.perf_counter() - t0, t1 - t0))
+    return [tuple(float(x) for x in np.median(t, axis=0)) for t in times]
 
 
 def tile_overhead(n_layers, H, D, cfg, reps=5):
@@ -150,11 +153,13 @@ def render(data):
           "measured from the held arrays; 'vs fp16' compares with a 2-byte fp16 KVCache (half the float32 one). "
           "Process peak memory is in the json. **CPU caveat**: MLX's CPU quantized matmul is slow and single-threaded "
           "while float32 matmul runs on OpenBLAS here (KVarN splits its tiles over two CPU streams); these ratios do "
-          "not predict Apple-silicon speed.\n",
-          "| context | method | tok/s | speed vs fp | cache MiB | smaller than fp (float32) | smaller than fp16 |",
-          "|---|---|---|---|---|---|---|"]
+          "not predict Apple-silicon speed. 'Graph ms' is the part of the step spent in the model call, where "
+          "Python builds the step's graph (the cache update and attention ops) before anything is evaluated.\n",
+          "| context | method | tok/s | speed vs fp | graph ms | graph vs fp | cache MiB | smaller than fp (float32) | smaller than fp16 |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
-        md.append(f"| {r['context']} | {r['method']} | {r['tokens_per_s']:.2f} | {r['speed_vs_fp']:.2f}x | "
+        graph = (f"{1000 * r['build_s']:.1f} | {r['build_vs_fp']:.2f}x" if "build_s" in r else "- | -")
+        md.append(f"| {r['context']} | {r['method']} | {r['tokens_per_s']:.2f} | {r['speed_vs_fp']:.2f}x | {graph} | "
                   f"{r['cache_bytes'] / 2**20:.1f} | {r['bytes_vs_fp']:.2f}x | {r['bytes_vs_fp'] / 2:.2f}x |")
     md += ["\n## Tile-quantization overhead\n",
            "Time of the cache updates that quantize one tile in every layer (rotation + normalization + RTN + packing, "
@@ -180,6 +185,7 @@ def main(argv=None):
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default=None, help="suffix for the output files (decode_speed_<tag>.md)")
     p.add_argument("--quick", action="store_true", help=f"tiny run for CI: {QUICK}")
     p.add_argument("--render", default=None, help="only rewrite the markdown from this json")
     args = p.parse_args(argv)
@@ -208,15 +214,16 @@ def main(argv=None):
             fill(all_caches[-1], H, D, ctx)
         mx.reset_peak_memory()
         secs = decode_rates(model, all_caches, args.steps)
-        for m, caches, sec in zip(methods, all_caches, secs):
+        for m, caches, (sec, build) in zip(methods, all_caches, secs):
             rows.append({"context": ctx, "method": m, "s_per_token": sec, "tokens_per_s": 1 / sec,
-                         "cache_bytes": held_bytes(caches)})
+                         "build_s": build, "cache_bytes": held_bytes(caches)})
         rows[-1]["peak_memory_all_methods"] = mx.get_peak_memory()
         del all_caches
         bar.step(len(methods))
     for r in rows:
         base = next(b for b in rows if b["context"] == r["context"] and b["method"] == "fp")
         r["speed_vs_fp"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["build_vs_fp"] = r["build_s"] / base["build_s"]
         r["bytes_vs_fp"] = base["cache_bytes"] / r["cache_bytes"]
 
     overhead = []
@@ -239,6 +246,7 @@ def main(argv=None):
     path = "Metal kernel" + (" (MSL emulator)" if dispatch.emulated() else "") if dispatch.use_metal() else "MLX ops"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    stem = "decode_speed" + (f"_{args.tag}" if args.tag else "")
     md = render({"meta": meta, "rows": rows, "overhead": overhead, "steps": args.steps,
                  "quantize_path": path}).split("\n")
     plt = pyplot()
@@ -254,12 +262,12 @@ def main(argv=None):
         for ax in axes:
             ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / "decode_speed.png", dpi=110)
-        plots.append("decode_speed.png")
-        md.append("\n![decode_speed.png](decode_speed.png)")
+        fig.savefig(out / f"{stem}.png", dpi=110)
+        plots.append(f"{stem}.png")
+        md.append(f"\n![{stem}.png]({stem}.png)")
     text = "\n".join(md) + "\n"
-    (out / "decode_speed.md").write_text(text)
-    (out / "decode_speed.json").write_text(json.dumps({"meta": meta, "rows": rows, "overhead": overhead, "plots": plots,
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "overhead": overhead, "plots": plots,
                                                        "steps": args.steps, "quantize_path": path}, indent=1))
     print(text)
 

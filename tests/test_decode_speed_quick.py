@@ -24,6 +24,8 @@ def test_decode_speed_quick(tmp_path):
     for r in data["rows"]:
         base = next(b for b in data["rows"] if b["context"] == r["context"] and b["method"] == "fp")
         assert r["tokens_per_s"] > 0 and r["speed_vs_fp"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"])
+        assert 0 < r["build_s"] < r["s_per_token"]  # the model call is part of the step
+        assert r["build_vs_fp"] == pytest.approx(r["build_s"] / base["build_s"])
         assert r["cache_bytes"] > 0
     presets = [m for m in ds.METHODS if m != "fp" and not m.startswith("mlxq")]
     assert [(o["method"], o["context"]) for o in data["overhead"]] == [(m, c) for m in presets for c in contexts]
