@@ -1,0 +1,282 @@
+"""The graph of one decode step: how many primitives it holds and how long
+Python takes to build it, the plain cache against KVarN presets, on the MLX
+ops path this machine runs and on the Metal-kernel path.
+
+    python benchmarks/step_graph.py --contexts 2048,8192,32768          # counts and host times
+    python benchmarks/step_graph.py --quick --model tiny/folder --out /tmp/sg   # CI
+
+On a Mac, MLX evaluates step t on the GPU while Python builds step t+1's graph
+(mlx-lm's generate loop uses async_eval): a step whose graph takes longer to
+build than the GPU takes to run it is host-bound. Both figures here carry over
+from this machine to a Mac; wall times of the evaluation do not.
+
+Primitives: every primitive in the step's graph, counted from the step's output
+(the next token) with mx.export_to_dot, which walks the graph from the outputs
+down to arrays already evaluated (the caches' held arrays). Deterministic: the
+same code and context give the same count. Arrays Python builds that the
+output does not depend on (the keys and values update_and_fetch returns, when
+packed attention reads the tiles instead) cost host time but no primitives.
+
+Host build: the seconds of the model call of one decode step, before anything is
+evaluated (median over the steps). Needs a quiet machine.
+
+The Metal path (`--paths metal`) is built here without a Metal device: each
+Metal kernel call (dispatch forced to the kernels) and each mx.fast op
+(rms_norm, layer_norm, rope, scaled_dot_product_attention, which a GPU runs as
+one primitive but MLX's CPU splits into many) is stood in for by one
+primitive, mx.depends of placeholder outputs of the right shapes on all of the
+call's inputs. The step is then evaluated on the CPU (placeholder values:
+its tokens are meaningless) so that the next step's graph starts from
+evaluated arrays, as on a Mac.
+
+Caches are filled with random K/V (as benchmarks/decode_speed.py does) to
+context - warmup - 1 tokens, so that at a context of sink + n tiles the first
+measured step completes a tile and the second commits it: the commit step is
+reported apart from the others. Methods step round-robin, one step each in
+turn, so load from other processes hits them alike.
+"""
+
+import argparse
+import contextlib
+import io
+import json
+import re
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as mlx_cache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvarn_mlx import commits, dispatch  # noqa: E402
+from kvarn_mlx.cache import KVarNCache  # noqa: E402
+from kvarn_mlx.eval.runner import meta_markdown, metadata  # noqa: E402
+from kvarn_mlx.integration import make_cache  # noqa: E402
+
+PLAIN = "fp"
+METHODS = (PLAIN, "k4v2_g128", "k2v2_g128", "auto4v2")
+PATHS = ("ops", "metal")
+QUICK = dict(contexts="384", steps=4)
+WARMUP = 2
+
+
+def primitives(*outputs):
+    """The number of primitives in the graph of outputs, and a Counter by name
+    (mx.export_to_dot: one rectangle per primitive, evaluated arrays are leaves)."""
+    f = io.StringIO()
+    mx.export_to_dot(f, *outputs)
+    names = re.findall(r'label ="([^"]*)", shape=rectangle', f.getvalue())
+    return len(names), Counter(names)
+
+
+# -- the Metal path, built without a Metal device ---------------------------------
+
+_leaves = {}
+
+
+def _placeholder(shape, dtype):
+    key = (tuple(shape), dtype)
+    if key not in _leaves:
+        _leaves[key] = mx.zeros(shape, dtype)
+        mx.eval(_leaves[key])
+    return _leaves[key]
+
+
+def _one_primitive(outputs, inputs):
+    """Arrays like `outputs` ((shape, dtype) pairs) from one primitive reading every input."""
+    deps = [x for x in inputs if isinstance(x, mx.array)]
+    return mx.depends([_placeholder(s, d) for s, d in outputs], deps)
+
+
+class _KernelStandIn:
+    """mx.fast.metal_kernel's stand-in: each call is one primitive."""
+
+    def __init__(self, **_):
+        pass
+
+    def __call__(self, inputs, output_shapes, output_dtypes, **_):
+        return _one_primitive(zip(output_shapes, output_dtypes), inputs)
+
+
+def _like(x, *deps):
+    return _one_primitive([(x.shape, x.dtype)], [x, *deps])[0]
+
+
+def _sdpa(q, k, v, *, scale, mask=None, sinks=None, **_):
+    return _one_primitive([((*q.shape[:-1], v.shape[-1]), q.dtype)], [q, k, v, mask, sinks])[0]
+
+
+_STAND_INS = {
+    "metal_kernel": _KernelStandIn,
+    "rms_norm": lambda x, weight, eps: _like(x, weight),
+    "layer_norm": lambda x, weight, bias, eps: _like(x, weight, bias),
+    "rope": lambda a, dims, *, traditional, base, scale, offset, freqs=None: _like(a, offset, freqs),
+    "scaled_dot_product_attention": _sdpa,
+}
+
+
+@contextlib.contextmanager
+def metal_graph():
+    """Within the block, graphs are built as the Metal path builds them (above)."""
+    saved = {name: getattr(mx.fast, name) for name in _STAND_INS}
+    use_metal = dispatch.use_metal
+    try:
+        for name, fn in _STAND_INS.items():
+            setattr(mx.fast, name, fn)
+        dispatch.use_metal = lambda: True
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(mx.fast, name, fn)
+        dispatch.use_metal = use_metal
+
+
+# -- running -------------------------------------------------------------------------
+
+def make(model, name):
+    return mlx_cache.make_prompt_cache(model) if name == PLAIN else make_cache(model, name)
+
+
+def fill(caches, H, D, n, chunk=1024, seed=0):
+    """Append n random tokens to every layer's cache and evaluate what it holds."""
+    key = mx.random.key(seed)
+    for s in range(0, n, chunk):
+        m = min(chunk, n - s)
+        key, k1, k2 = mx.random.split(key, 3)
+        k = mx.random.normal((1, H, m, D), key=k1)
+        v = mx.random.normal((1, H, m, D), key=k2)
+        for c in caches:
+            out = c.update_and_fetch(k, v)
+            mx.eval([x for x in c.state.values() if isinstance(x, mx.array)] if isinstance(c, KVarNCache) else out)
+
+
+def n_tiles(caches):
+    return sum(c.n_tiles for c in caches if isinstance(c, KVarNCache))
+
+
+def run(model, methods, ctx, steps, count=True):
+    """Per method: [(primitives, Counter, build seconds, committed)] of each measured step."""
+    a = model.args
+    H = a.num_key_value_heads
+    D = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+    all_caches = []
+    for m in methods:
+        all_caches.append(make(model, m))
+        fill(all_caches[-1], H, D, ctx - WARMUP - 1)
+    commits._local.waiting = []
+    toks = [mx.array([[1]]) for _ in methods]
+    out = [[] for _ in methods]
+    # Each method's tiles waiting for a commit (commits.py, per thread): kept
+    # apart, or one method's commit would quantize another's tiles too.
+    waiting = [[] for _ in methods]
+    for i in range(WARMUP + steps):
+        for j, caches in enumerate(all_caches):
+            before = n_tiles(caches)
+            commits._local.waiting = waiting[j]
+            t0 = time.perf_counter()
+            y = model(toks[j], cache=caches)
+            toks[j] = mx.argmax(y[:, -1:], axis=-1)
+            built = time.perf_counter() - t0
+            waiting[j] = commits._local.waiting
+            n, names = primitives(toks[j]) if count else (0, Counter())
+            mx.eval(toks[j])
+            if i >= WARMUP:
+                out[j].append((n, names, built, n_tiles(caches) > before))
+    return out
+
+
+def summarize(path, ctx, method, measured):
+    normal = [m for m in measured if not m[3]]
+    commit = [m for m in measured if m[3]]
+    r = {"path": path, "context": ctx, "method": method,
+         "primitives": int(np.median([m[0] for m in normal])),
+         "primitives_range": [min(m[0] for m in normal), max(m[0] for m in normal)],
+         "build_s": float(np.median([m[2] for m in normal])),
+         "by_primitive": dict(normal[len(normal) // 2][1].most_common())}
+    if commit:
+        r.update(commit_primitives=commit[0][0], commit_build_s=commit[0][2])
+    return r
+
+
+def render(data, times=True):
+    md = ["# One decode step's graph: primitives and host build time\n", meta_markdown(data["meta"]),
+          f"\nPer decode step of the model ({data['steps']} steps after {WARMUP} warm-up steps, caches filled "
+          "with random K/V): the primitives in the step's graph (mx.export_to_dot from the next token; "
+          "deterministic) and the host time to build it (the model call before evaluation; median). 'ops': the "
+          "MLX ops path this CPU runs. 'metal': the graph the Metal path builds (kernels and mx.fast ops one "
+          "primitive each, as on a GPU; see benchmarks/step_graph.py). 'commit step': the step that quantizes "
+          "the tile the previous step completed, in every layer. Ratios against the plain cache (fp) of the same "
+          "path and context.\n"]
+    head = "| path | context | method | primitives | vs fp | commit step | vs fp |"
+    rule = "|---|---|---|---|---|---|---|"
+    if times:
+        head += " build ms | vs fp | commit step ms | vs fp |"
+        rule += "---|---|---|---|"
+    md += [head, rule]
+    for r in data["rows"]:
+        base = next(b for b in data["rows"] if (b["path"], b["context"], b["method"]) == (r["path"], r["context"], PLAIN))
+        commit = (f"{r['commit_primitives']} | {r['commit_primitives'] / base['primitives']:.2f}x"
+                  if "commit_primitives" in r else "- | -")
+        line = (f"| {r['path']} | {r['context']} | {r['method']} | {r['primitives']} | "
+                f"{r['primitives'] / base['primitives']:.2f}x | {commit} |")
+        if times:
+            cb = (f"{1000 * r['commit_build_s']:.1f} | {r['commit_build_s'] / base['build_s']:.2f}x"
+                  if "commit_build_s" in r else "- | -")
+            line += f" {1000 * r['build_s']:.1f} | {r['build_s'] / base['build_s']:.2f}x | {cb} |"
+        md.append(line)
+    return "\n".join(md) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model folder or Hub id (default: the embedded model)")
+    p.add_argument("--contexts", default="2048,8192,32768")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--steps", type=int, default=8, help="measured decode steps per method (after 2 warm-up steps)")
+    p.add_argument("--counts-only", action="store_true", help="leave the host build times out of the markdown")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default=None, help="suffix for the output files (step_graph_<tag>.md)")
+    p.add_argument("--quick", action="store_true", help=f"tiny run for CI: {QUICK}")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.contexts, args.steps = QUICK["contexts"], QUICK["steps"]
+    methods = args.methods.split(",")
+    if methods[0] != PLAIN:
+        methods = [PLAIN] + [m for m in methods if m != PLAIN]
+    paths = args.paths.split(",")
+    bad = [x for x in paths if x not in PATHS]
+    if bad:
+        p.error(f"--paths: {bad} not in {PATHS}")
+    from kvarn_mlx.loader import load
+
+    model, _ = load(args.model)
+    rows = []
+    for path in paths:
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            with metal_graph() if path == "metal" else contextlib.nullcontext():
+                measured = run(model, methods, ctx, args.steps)
+            for m, steps in zip(methods, measured):
+                rows.append(summarize(path, ctx, m, steps))
+                r = rows[-1]
+                print(f"{path} {ctx} {m}: {r['primitives']} primitives, build {1000 * r['build_s']:.1f} ms"
+                      + (f", commit step {r['commit_primitives']} / {1000 * r['commit_build_s']:.1f} ms"
+                         if "commit_primitives" in r else ""), file=sys.stderr)
+    name = args.model or "SmolLM2-135M-Instruct (embedded, float32)"
+    meta = metadata(name, "python benchmarks/step_graph.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    data = {"meta": meta, "steps": args.steps, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "step_graph" + (f"_{args.tag}" if args.tag else "")
+    text = render(data, times=not args.counts_only)
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    print(text)
+    return data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""benchmarks/step_graph.py --quick on a tiny model folder: primitive counts of
+one decode step's graph, on the ops path and on the Metal path built without a
+device, plain cache against KVarN presets."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from model_folder import tiny_model_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_step_graph", ROOT / "benchmarks" / "step_graph.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_primitives_counts_the_graph_down_to_evaluated_arrays():
+    sg = _load()
+    a = mx.ones((4,))
+    mx.eval(a)
+    n, names = sg.primitives(mx.exp(a * 2) + a)
+    assert n == 4 and names == {"Multiply": 1, "Exp": 1, "Add": 1, "Broadcast": 1}
+    assert sg.primitives(a)[0] == 0
+
+
+def test_metal_graph_stands_in_one_primitive_per_kernel_and_fast_op():
+    sg = _load()
+    x, w = mx.ones((2, 64)), mx.ones((64,))
+    mx.eval(x, w)
+    ops = sg.primitives(mx.fast.rms_norm(x, w, 1e-5))[0]
+    with sg.metal_graph():
+        y = mx.fast.rms_norm(x, w, 1e-5)
+        kernel = mx.fast.metal_kernel(name="k", input_names=["x"], output_names=["a", "b"], source="")
+        a, b = kernel(inputs=[x * 2], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                      output_shapes=[(3,), (2, 2)], output_dtypes=[mx.float32, mx.uint32])
+    assert ops > 1 and sg.primitives(y) == (1, {"Depends": 1})
+    assert a.shape == (3,) and b.dtype == mx.uint32
+    assert sg.primitives(a, b)[1] == {"Depends": 1, "Multiply": 1, "Broadcast": 1}
+    assert mx.fast.rms_norm(x, w, 1e-5).shape == x.shape and sg.primitives(mx.fast.rms_norm(x, w, 1e-5))[0] == ops
+
+
+def test_step_graph_quick(tmp_path):
+    sg = _load()
+    folder = tiny_model_folder(tmp_path / "model")
+    out = tmp_path / "results"
+    sg.main(["--quick", "--model", str(folder), "--out", str(out)])
+    data = json.loads((out / "step_graph.json").read_text())
+    ctx = int(sg.QUICK["contexts"])
+    assert [(r["path"], r["context"], r["method"]) for r in data["rows"]] == [
+        (p, ctx, m) for p in sg.PATHS for m in sg.METHODS]
+    rows = {(r["path"], r["method"]): r for r in data["rows"]}
+    for (path, method), r in rows.items():
+        assert r["build_s"] > 0 and r["primitives"] == sum(r["by_primitive"].values())
+        lo, hi = r["primitives_range"]
+        assert lo <= r["primitives"] <= hi
+        if method == sg.PLAIN:
+            assert "commit_primitives" not in r
+        else:  # the second measured step commits the tile the first completed
+            assert r["commit_primitives"] > r["primitives"]
+            assert ("QuantizedMatmul" in r["by_primitive"]) == (path == "ops")
+    # Each method quantizes its own tiles in its commit step (not another's, nor another its).
+    assert all(rows["ops", m]["commit_primitives"] > 2 * rows["ops", m]["primitives"] for m in sg.METHODS[1:])
+    # Kernels and fast ops are one primitive each on the Metal path.
+    assert rows["metal", sg.PLAIN]["primitives"] < rows["ops", sg.PLAIN]["primitives"]
+    assert "Depends" in rows["metal", "k4v2_g128"]["by_primitive"]
+    md = (out / "step_graph.md").read_text()
+    assert "python benchmarks/step_graph.py --quick" in md and md.count("\n| ") == 1 + len(data["rows"])
