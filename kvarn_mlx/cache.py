@@ -17,7 +17,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from . import commits, dispatch, quant, rotation
 from .config import DEFAULT_PRESET, KVarNConfig, get_preset
-from .tiles import ARRAYS, StepView, Tiles, append
+from .tiles import ARRAYS, StepView, Tiles, append, derived, keep_derived
 
 log = logging.getLogger("kvarn_mlx")
 
@@ -90,6 +90,7 @@ class KVarNCache(_BaseCache):
         self._step = None
         self._fetched = None  # weak references to those arrays
         self._unread = False  # no attention read the current step yet
+        self._reads_packed = False  # attention read the previous step through step_view
 
     @property
     def n_tiles(self):
@@ -102,6 +103,7 @@ class KVarNCache(_BaseCache):
         G, S = self.config.group_size, self.config.sink_size
         if self._unread and self.announce_bypass:
             _warn_once(BYPASSED)
+        self._reads_packed = not self._unread
         if self.rotate_k is None:
             self._start(keys, values)
         else:
@@ -309,12 +311,29 @@ class KVarNCache(_BaseCache):
     def dequantized(self, step=None):
         """All keys and values in token order, model dtype (lazy: costs nothing unless used)."""
         s = self.step_view() if step is None else step
-        if s.tiles is None:
-            return (mx.concatenate([s.sink_k, s.recent_k], axis=2),
-                    mx.concatenate([s.sink_v, s.recent_v], axis=2))
+        head_k, head_v = self._head(s)
+        return mx.concatenate([head_k, s.recent_k], axis=2), mx.concatenate([head_v, s.recent_v], axis=2)
+
+    def _head(self, s):
+        """The view's sink and dequantized tiles in token order, model dtype, lazily.
+
+        While the model reads the packed tiles (its previous step went through
+        step_view), the arrays are built once per tile count and kept beside
+        the storage, unevaluated: they only reference its arrays, and a decode step
+        then adds two concatenations to the graph Python builds, not a whole
+        dequantization it never evaluates. TileStorage.write drops them. A model
+        that attends on these arrays itself gets them built afresh at every step,
+        so that nothing keeps them once evaluated."""
+        if s.tiles is None or not s.n_tiles:
+            return s.sink_k, s.sink_v
+        memo = derived(s.tiles)
+        if memo is not None and memo[0] == s.n_tiles and memo[1] is s.sink_k and memo[2] is s.rotate_k:
+            return memo[3]
         k, v = s.tiles.dequantize(s.k_bits, s.v_bits, s.rotate_k, s.rotate_v, s.n_tiles)
-        return (mx.concatenate([s.sink_k, k.astype(s.sink_k.dtype), s.recent_k], axis=2),
-                mx.concatenate([s.sink_v, v.astype(s.sink_v.dtype), s.recent_v], axis=2))
+        head = (mx.concatenate([s.sink_k, k.astype(s.sink_k.dtype)], axis=2),
+                mx.concatenate([s.sink_v, v.astype(s.sink_v.dtype)], axis=2))
+        keep_derived(s.tiles, (s.n_tiles, s.sink_k, s.rotate_k, head) if self._reads_packed else None)
+        return head
 
     # -- mlx-lm cache protocol -------------------------------------------------
 

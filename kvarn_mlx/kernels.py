@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
@@ -143,7 +144,6 @@ def attention_unsupported(q, view: StepView):
     if q.ndim != 4:
         return f"query of shape {tuple(q.shape)}"
     B, Hq, L, D = q.shape
-    tiles = view.tiles
     Hkv = view.sink_k.shape[1]
     if Hkv == 0 or Hq % Hkv:
         return f"{Hq} query heads over {Hkv} kv heads"
@@ -151,18 +151,31 @@ def attention_unsupported(q, view: StepView):
         return f"query length {L} (kernel: <= 8; prefill uses the ops path)"
     if D not in KERNEL_DIMS:
         return f"head dim {D} (kernel dims: {KERNEL_DIMS})"
-    if tiles is None:
+    if view.tiles is None:
         return "a cache without tiles"
+    for x in (q, view.sink_k, view.recent_k):
+        if x.dtype not in FLOAT_DTYPES:
+            return f"{'query' if x is q else 'sink/tail'} dtype {x.dtype}"
+    return _tiles_unsupported(view.tiles, view.k_bits, view.v_bits)
+
+
+# Per tile storage: what the kernel checks of it, found once (a decode step asks every layer).
+_tile_checks = weakref.WeakKeyDictionary()
+
+
+def _tiles_unsupported(tiles, k_bits, v_bits):
+    checks = _tile_checks.setdefault(tiles, {})
+    if (k_bits, v_bits) not in checks:
+        checks[k_bits, v_bits] = _check_tiles(tiles, k_bits, v_bits)
+    return checks[k_bits, v_bits]
+
+
+def _check_tiles(tiles, k_bits, v_bits):
     G = tiles.group_size
     if G not in (32, 64, 128, 256):
         return f"tile size {G}"
-    if view.k_bits not in KERNEL_BITS or view.v_bits not in KERNEL_BITS:
-        return f"{view.k_bits}/{view.v_bits}-bit codes"
-    if q.dtype not in FLOAT_DTYPES:
-        return f"query dtype {q.dtype}"
-    for x in (view.sink_k, view.recent_k):
-        if x.dtype not in FLOAT_DTYPES:
-            return f"sink/tail dtype {x.dtype}"
+    if k_bits not in KERNEL_BITS or v_bits not in KERNEL_BITS:
+        return f"{k_bits}/{v_bits}-bit codes"
     sdts = {x.dtype for x in tiles.arrays() if x.dtype != mx.uint32}
     if len(sdts) != 1 or next(iter(sdts)) not in (*FLOAT_DTYPES, mx.uint8):  # uint8: e4m3 scales
         return f"scale dtypes {sorted(str(d) for d in sdts)}"
@@ -183,24 +196,31 @@ def packed_attention_metal(q, view: StepView, scale, causal=True):
     StepView: sink + tiles [0, view.n_tiles) of the storage + recent tokens; one
     softmax, causal for L > 1. Returns [B, Hq, L, D] in q's dtype. For input
     attention_unsupported accepts. The tile storage is passed whole (tile-major,
-    so its arrays are [capacity, B*H, ...] as they are): no slice, no copy."""
+    so its arrays are [capacity, B*H, ...] as they are): no slice, no copy.
+
+    A decode step builds this for every layer: few ops, no reshapes (q's rows
+    [B, Hq, L] are already the kernel's (b, kv head, rep, i) rows)."""
     B, Hq, L, D = q.shape
     tiles = view.tiles
-    Hkv, G = view.sink_k.shape[1], tiles.group_size
-    n_tiles = min(int(view.n_tiles), tiles.capacity)
-    n_rep = Hq // Hkv
-    R, BH = n_rep * L, B * Hkv
-    S, Tn = view.sink_k.shape[2], view.recent_k.shape[2]
-    kv_dtype = view.sink_k.dtype if S else (view.recent_k.dtype if Tn else mx.float16)
-    sdt = tiles.k_a.dtype
+    sk = view.sink_k
+    Hkv, S, Tn = sk.shape[1], sk.shape[2], view.recent_k.shape[2]
+    G = tiles.group_size
+    n_tiles = min(view.n_tiles, tiles.capacity)
+    R, BH = Hq // Hkv * L, B * Hkv
+    kv_dtype = sk.dtype if S else (view.recent_k.dtype if Tn else mx.float16)
 
     def dense(x, n):
         if n == 0:
-            return mx.zeros((1,), kv_dtype)  # never read; avoids zero-size buffers
-        return x.astype(kv_dtype) if x.dtype != kv_dtype else x
+            return _placeholder(kv_dtype)  # never read; avoids zero-size buffers
+        return x.astype(kv_dtype)
 
-    qf = q.astype(mx.float32).reshape(BH * R, D)  # rows (b, kv head, rep, i): GQA heads are consecutive
-    qr = quant.rotated_where(view.rotate_k, qf.reshape(B, Hkv, R, D), quant.rotate).reshape(BH * R, D)
+    qf = q.astype(mx.float32)
+    rot = view.rotate_k
+    if isinstance(rot, mx.array):  # per kv head
+        qr = qf.reshape(B, Hkv, R, D)
+        qr = mx.where(rot.reshape(1, Hkv, 1, 1), mx.hadamard_transform(qr), qr)
+    else:
+        qr = quant.rotate(qf) if rot else qf
     rc = _rows_per_group(R, D, G)
     n_rc = -(-R // rc)
     n_split = 0
@@ -212,19 +232,12 @@ def packed_attention_metal(q, view: StepView, scale, causal=True):
     NS = n_split + 2  # sink split, tile splits, tail split
     params = mx.array([n_tiles, BH, S, Tn, tps, L, R, int(bool(causal)), NS, n_rc], dtype=mx.int32)
 
-    k1 = _kernel(
-        "kvarn_attention_split",
-        ["q", "qr", "sink_k", "sink_v", "k_words", "k_a", "k_b", "k_t", "v_words", "v_a", "v_b", "v_c",
-         "tail_k", "tail_v", "params", "scale"],
-        ["o_part", "m_part", "l_part"],
-        "attention_split.metal",
-    )
+    k1 = _kernel("kvarn_attention_split", _SPLIT_INPUTS, ["o_part", "m_part", "l_part"], "attention_split.metal")
     o_part, m_part, l_part = k1(
-        inputs=[qf, qr, dense(view.sink_k, S), dense(view.sink_v, S), *tiles.arrays(),
-                dense(view.recent_k, Tn), dense(view.recent_v, Tn), params,
-                mx.array([float(scale)], dtype=mx.float32)],
-        template=[("T", kv_dtype), ("SC", sdt), ("D", D), ("G", G), ("KB", int(view.k_bits)),
-                  ("VB", int(view.v_bits)), ("RC", rc)],
+        inputs=[qf, qr, dense(sk, S), dense(view.sink_v, S), *tiles.arrays(),
+                dense(view.recent_k, Tn), dense(view.recent_v, Tn), params, _scalar(scale)],
+        template=[("T", kv_dtype), ("SC", tiles.k_a.dtype), ("D", D), ("G", G), ("KB", view.k_bits),
+                  ("VB", view.v_bits), ("RC", rc)],
         grid=(_ATT_THREADS, NS, BH * n_rc),
         threadgroup=(_ATT_THREADS, 1, 1),
         output_shapes=[(BH, NS, R, D), (BH, NS, R), (BH, NS, R)],
@@ -237,11 +250,37 @@ def packed_attention_metal(q, view: StepView, scale, causal=True):
         template=[("D", D)],
         grid=(D, BH * R, 1),
         threadgroup=(min(D, 256), 1, 1),
-        output_shapes=[(BH * R, D), (BH * R, D)],
+        output_shapes=[(B, Hq, L, D), (B, Hq, L, D)],  # rows bh*R + r are q's rows
         output_dtypes=[mx.float32, mx.float32],
     )
     out = o_dense + (mx.hadamard_transform(o_rot) if view.rotate_v else o_rot)
-    return out.reshape(B, Hq, L, D).astype(q.dtype)
+    return out.astype(q.dtype)
+
+
+_SPLIT_INPUTS = ["q", "qr", "sink_k", "sink_v", "k_words", "k_a", "k_b", "k_t", "v_words", "v_a", "v_b", "v_c",
+                 "tail_k", "tail_v", "params", "scale"]
+_constants = {}
+
+
+def _placeholder(dtype):
+    """A one-element array of dtype, made once."""
+    if ("zero", dtype) not in _constants:
+        _constants["zero", dtype] = _evaluated(mx.zeros((1,), dtype))
+    return _constants["zero", dtype]
+
+
+def _scalar(scale):
+    """The softmax scale as a float32 [1] input, made once per value."""
+    key = ("scale", float(scale))
+    if key not in _constants:
+        _constants[key] = _evaluated(mx.array([float(scale)], dtype=mx.float32))
+    return _constants[key]
+
+
+def _evaluated(x):
+    """x computed now: a constant shared by graphs built on any thread or stream."""
+    mx.eval(x)
+    return x
 
 
 # Self-test on a real device ---------------------------------------------------------

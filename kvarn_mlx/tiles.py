@@ -10,6 +10,7 @@ first n tiles are a contiguous view: attention reads the storage in place
 (the kernel gets the storage and the number of valid tiles), never a copy.
 """
 
+import weakref
 from dataclasses import dataclass, fields
 
 import mlx.core as mx
@@ -95,6 +96,7 @@ class TileStorage:
     def write(self, start, arrays):
         """Store batch-major arrays (in ARRAYS order, or the four key arrays) at tiles [start, start + m)."""
         m = arrays[0].shape[2]
+        _derived.pop(self, None)
         for name, x in zip(ARRAYS, arrays):
             getattr(self, name)[start : start + m] = mx.moveaxis(x, 2, 0)
 
@@ -117,6 +119,21 @@ class TileStorage:
     def dequantize(self, k_bits, v_bits, rotate_k, rotate_v, n=None):
         """The first n tiles as unrotated float32 K, V [B, H, n*G, D]."""
         return self.valid(n).dequantize(k_bits, v_bits, rotate_k, rotate_v)
+
+
+# Arrays built lazily from a storage's arrays and kept for later steps
+# (KVarNCache._head), beside the storage rather than in it: unevaluated, they
+# hold no data of their own. A write drops them.
+_derived = weakref.WeakKeyDictionary()
+
+
+def derived(storage):
+    """What keep_derived stored for this storage since its last write, or None."""
+    return _derived.get(storage)
+
+
+def keep_derived(storage, value):
+    _derived[storage] = value
 
 
 def append(storage, new: Tiles, step):
