@@ -6,6 +6,10 @@ prompt cache), with:
 - every KV cache it makes built by kvarn_mlx.make_cache (--kv-preset, --kv-sink);
   KVarN caches merge into batches, so requests are batched;
 - the embedded default model when --model is omitted;
+- GET /v1/models (and /v1/models/ID): the served model and the Hugging Face
+  cache's, whose names a request may give (served_models), never a traceback;
+- every field of a completion request checked before it is queued
+  (request_fields): a 400 naming the field;
 - GET /v1/kv_stats: KV bytes held by live requests and by the prompt cache,
   next to what mlx-lm's plain cache would hold for the same tokens;
   `?request=ID` (a completion's id) adds the figures of the cache that request
@@ -31,7 +35,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import mlx.core as mx
 import numpy as np
@@ -39,12 +43,14 @@ import mlx_lm.server as mlx_server
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import LRUPromptCache
 
-from . import budget, guard, memory, plan
+from . import budget, guard, memory, plan, request_fields, served_models
 from .batch_cache import BatchKVarNCache
 from .config import DEFAULT_PRESET, FP16, PRESETS, get_preset
 from .integration import make_cache
 
 STATS_PATH = "/v1/kv_stats"
+MODELS_PATH = "/v1/models"
+COMPLETIONS = {"/v1/completions": False, "/v1/chat/completions": True, "/chat/completions": True}  # path: chat?
 API_KEY_ENV = "KVARN_API_KEY"
 
 # The generation thread publishes the live requests' figures after its steps, so
@@ -139,9 +145,13 @@ class PromptCache(LRUPromptCache):
             return super().fetch_nearest_cache(*args, **kwargs)
 
     def insert_cache(self, model, tokens, prompt_cache, *args, **kwargs):
-        figures = memory.panel(prompt_cache)  # before the LRU may trim or hand it on
+        # measured before the LRU may trim or hand it on; only mlx-lm's kinds of cache
+        # (each has a state), not any object a caller stores
+        measurable = all(hasattr(c, "state") for c in prompt_cache)
+        figures = memory.panel(prompt_cache) if measurable else None
         with _lock:
-            _stored.append((np.asarray(tokens, dtype=np.int32), figures))
+            if figures is not None:
+                _stored.append((np.asarray(tokens, dtype=np.int32), figures))
             return super().insert_cache(model, tokens, prompt_cache, *args, **kwargs)
 
     def trim_to(self, *args, **kwargs):
@@ -331,20 +341,65 @@ class APIHandler(mlx_server.APIHandler):
 
     def handle_completion(self, request, stop_words):
         self.response_generator = _Recorder(self.response_generator, self.request_id)
-        super().handle_completion(request, stop_words)
+        try:
+            super().handle_completion(request, stop_words)
+        except (BrokenPipeError, ConnectionResetError):  # mlx-lm stops the generation; no traceback
+            logging.info(f"{self.request_id}: the client left before the reply was sent")
+            self.close_connection = True
 
     def do_POST(self):
         if self._refused(post=True):
             return
         try:
             body = self.read_body()
+            if self.path in COMPLETIONS:
+                body = self.check_completion(body, chat=COMPLETIONS[self.path])
         except guard.Refused as e:
             return self.send_error_json(e)
         rfile, self.rfile = self.rfile, io.BytesIO(body)  # mlx-lm reads the body again
+        self.headers.replace_header("Content-Length", str(len(body)))  # check_completion rewrote it
         try:
             super().do_POST()
         finally:
             self.rfile = rfile
+
+    def check_completion(self, body, chat):
+        """The completion request's body, its fields checked (request_fields)
+        and its "model" the name mlx-lm loads: "default_model" for the served
+        model (served_models.model_for)."""
+        try:
+            data = json.loads(body)
+        except ValueError as e:
+            raise guard.Refused(f"Invalid JSON in request body: {e}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise guard.Refused("the request body should be a JSON dictionary (object)", code="invalid_json")
+        request_fields.check(data, chat=chat)
+        self.reply_model = data.get("model") or self.served_model()  # what the replies name
+        data["model"] = served_models.model_for(data.get("model"), self.served_model(), self.model_names())
+        return json.dumps(data).encode()
+
+    reply_model = None
+
+    def generate_response(self, *args, **kwargs):
+        return self._named(super().generate_response(*args, **kwargs))
+
+    def completion_usage_response(self, *args, **kwargs):
+        return self._named(super().completion_usage_response(*args, **kwargs))
+
+    def _named(self, response):
+        """A reply naming the model as the request did (mlx-lm's: "default_model")."""
+        if self.reply_model is not None:
+            response["model"] = self.reply_model
+        return response
+
+    def served_model(self):
+        """The id /v1/models lists for the model this server serves."""
+        return served_models.served_id(getattr(self.settings, "model", self.response_generator.cli_args.model))
+
+    def model_names(self):
+        """Every name a request may give the served model."""
+        spec = getattr(self.settings, "model", self.response_generator.cli_args.model)
+        return served_models.names(spec, self.response_generator.cli_args.model)
 
     def read_body(self, limit=None):
         """The body, once known to be at most `limit` bytes (MAX_BODY; refused by its
@@ -379,15 +434,43 @@ class APIHandler(mlx_server.APIHandler):
         if self._refused(post=False):
             return
         url = urlsplit(self.path)
+        if url.path == MODELS_PATH or url.path.startswith(MODELS_PATH + "/"):
+            return self.send_models(unquote(url.path[len(MODELS_PATH) + 1:]))
         if url.path != STATS_PATH:
             return super().do_GET()
         request = parse_qs(url.query).get("request", [None])[-1]
         stats = kv_stats(request)
         stats.update(kv_preset=self.settings.kv_preset, kv_sink=self.settings.kv_sink,
                      model=self.response_generator.cli_args.model)
-        self._set_completion_headers(200)
+        self.send_json(stats)
+
+    def send_models(self, model_id):
+        """/v1/models (model_id ""), or /v1/models/{model_id}."""
+        started = getattr(self.settings, "started", self.created)
+        try:
+            if not model_id:
+                return self.send_json(served_models.model_list(self.served_model(), started))
+            self.send_json(served_models.find_model(model_id, self.served_model(), started))
+        except guard.Refused as e:
+            self.send_error_json(e)
+
+    def send_json(self, data, status=200):
+        body = json.dumps(data).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_cors_headers()
         self.end_headers()
-        self.wfile.write(json.dumps(stats).encode())
+        self.wfile.write(body)
+
+    def send_cors_headers(self):
+        """Access-Control-Allow-Origin for the origins --allowed-origins lists."""
+        allowed, origin = self.settings.allowed_origins, self.headers.get("Origin")
+        if "*" in allowed:
+            self.send_header("Access-Control-Allow-Origin", "*")
+        elif origin and origin.lower().rstrip("/") in allowed:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Vary", "Origin")
 
 
 def run(host, port, model_provider, server_class=mlx_server.ThreadingHTTPServer, handler_class=APIHandler):
@@ -411,17 +494,17 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
     """mlx-lm's, with --max-kv-bytes: the most KV bytes one request's cache may hold."""
 
     max_kv_bytes = None
-    _budget = None  # (model, budget.KVBudget of the caches the server makes for it)
+    _kv_budget = None  # (model, budget.KVBudget of the caches the server makes for it)
 
     def _tokenize(self, tokenizer, request, args):
         out = super()._tokenize(tokenizer, request, args)
         if self.max_kv_bytes is not None:
             model = self.model_provider.model
-            if self._budget is None or self._budget[0] is not model:
+            if self._kv_budget is None or self._kv_budget[0] is not model:
                 kv = budget.KVBudget(model, mlx_server.make_prompt_cache(model), self.max_kv_bytes,
                                      self.cli_args.prefill_step_size)
-                self._budget = (model, kv)
-            args.max_tokens = fit_tokens(self._budget[1], len(out[0]), args.max_tokens)
+                self._kv_budget = (model, kv)
+            args.max_tokens = fit_tokens(self._kv_budget[1], len(out[0]), args.max_tokens)
         return out
 
 
@@ -467,7 +550,7 @@ def arg_parser():
                         "mlx-lm's own cache (then mlx-lm's --kv-bits applies)")
     g.add_argument("--kv-sink", type=int, default=None,
                    help="leading tokens kept unquantized (default: the preset's, one tile)")
-    g.add_argument("--max-kv-bytes", type=_size, default=None, metavar="SIZE",
+    g.add_argument("--max-kv-bytes", type=_size_flag, default=None, metavar="SIZE",
                    help="the most KV bytes one request's cache may hold (e.g. 2GB): a longer prompt is refused, "
                         "and a request stops (finish_reason length) before its cache could grow past it")
     g.add_argument("--allowed-hosts", type=lambda x: [h.strip().lower() for h in x.split(",") if h.strip()],
@@ -481,7 +564,7 @@ def arg_parser():
     return p
 
 
-def _size(text):
+def _size_flag(text):
     try:
         return budget.parse_size(text)
     except ValueError as e:
@@ -514,12 +597,24 @@ def main(argv=None, handler=None, parser=None):
         parser.error("--kv-bits is mlx-lm's own quantized cache (one request at a time); this server "
                      f"quantizes with KVarN: use --kv-preset (or --kv-preset {FP16} --kv-bits N for mlx-lm's)")
     if "-h" not in rest and "--help" not in rest:
+        ours.model = flag(rest, "--model")  # as given: what /v1/models lists
         rest = _resolve_model(rest)
     # mlx-lm's --allowed-origins sets its CORS headers: the same list as ours.
     rest += ["--allowed-origins", ",".join(ours.allowed_origins)]
     install(ours, handler or APIHandler)
     sys.argv = [parser.prog, *rest]
     mlx_server.main()
+
+
+def flag(argv, name, default=None):
+    """The value of flag `name` in argv (the last one given), else default."""
+    value = default
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 def _resolve_model(rest):
@@ -555,6 +650,7 @@ def install(settings, handler=APIHandler):
     mlx_server.BatchGenerator = BatchGenerator
     mlx_server.stream_generate = stream_generate
     mlx_server.run = lambda host, port, provider: run(host, port, provider, handler_class=handler)
+    settings.started = int(time.time())
     handler.settings = settings
 
 

@@ -38,17 +38,6 @@ def arg_parser():
     return p
 
 
-def flag(argv, name, default=None):
-    """The value of mlx_lm.server's flag `name` in argv (the last one given)."""
-    value = default
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif a.startswith(name + "="):
-            value = a.split("=", 1)[1]
-    return value
-
-
 def is_loopback(host):
     if host == "localhost":
         return True
@@ -83,9 +72,9 @@ def main(argv=None):
     ours, rest = parser.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         return server.main(argv, parser=parser)
-    if flag(rest, "--port") is None:
+    if server.flag(rest, "--port") is None:
         argv += ["--port", str(PORT)]
-    host, port = flag(rest, "--host", "127.0.0.1"), flag(argv, "--port")
+    host, port = server.flag(rest, "--host", "127.0.0.1"), server.flag(argv, "--port")
     warning = network_warning(host, ours.api_key)
     if warning:
         print(warning, file=sys.stderr, flush=True)
