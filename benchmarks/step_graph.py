@@ -31,8 +31,9 @@ evaluated arrays, as on a Mac.
 
 Caches are filled with random K/V (as benchmarks/decode_speed.py does) to
 context - warmup - 1 tokens, so that at a context of sink + n tiles the first
-measured step completes a tile and the second commits it: the commit step is
-reported apart from the others. Methods step round-robin, one step each in
+measured step completes a tile in every layer and the following steps commit
+them (commits.py: PER_STEP caches a step): the steps that quantize tiles are
+reported apart from the others, by the heaviest of them. Methods step round-robin, one step each in
 turn, so load from other processes hits them alike.
 """
 
@@ -52,6 +53,7 @@ from mlx_lm.models import cache as mlx_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvarn_mlx import commits, dispatch  # noqa: E402
+from kvarn_mlx.batch_cache import BatchKVarNCache  # noqa: E402
 from kvarn_mlx.cache import KVarNCache  # noqa: E402
 from kvarn_mlx.eval.runner import meta_markdown, metadata  # noqa: E402
 from kvarn_mlx.integration import make_cache  # noqa: E402
@@ -153,21 +155,39 @@ def fill(caches, H, D, n, chunk=1024, seed=0):
             mx.eval([x for x in c.state.values() if isinstance(x, mx.array)] if isinstance(c, KVarNCache) else out)
 
 
-def n_tiles(caches):
-    return sum(c.n_tiles for c in caches if isinstance(c, KVarNCache))
+def row_lengths(ctx, rows):
+    """Tokens per batch row before the warm-up steps: the last row at the context,
+    the others shorter by up to half of it (rows of a server batch differ)."""
+    return [ctx - WARMUP - 1 - (rows - 1 - i) * (ctx // (2 * rows)) for i in range(rows)]
 
 
-def run(model, methods, ctx, steps, count=True):
-    """Per method: [(primitives, Counter, build seconds, committed)] of each measured step."""
+def make_filled(model, name, ctx, rows):
+    """The method's cache, filled; with rows > 0, a batch of that many sequences
+    (each filled alone, then joined as mlx-lm's BatchGenerator does: merge)."""
     a = model.args
     H = a.num_key_value_heads
     D = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
-    all_caches = []
-    for m in methods:
-        all_caches.append(make(model, m))
-        fill(all_caches[-1], H, D, ctx - WARMUP - 1)
+    if not rows:
+        caches = make(model, name)
+        fill(caches, H, D, ctx - WARMUP - 1)
+        return caches
+    seqs = []
+    for i, n in enumerate(row_lengths(ctx, rows)):
+        seqs.append(make(model, name))
+        fill(seqs[-1], H, D, n, seed=i)
+    return [type(layer[0]).merge(list(layer)) for layer in zip(*seqs)]
+
+
+def n_tiles(caches):
+    rows = [r for c in caches for r in (c.rows if isinstance(c, BatchKVarNCache) else [c])]
+    return sum(r.n_tiles for r in rows if isinstance(r, KVarNCache))
+
+
+def run(model, methods, ctx, steps, count=True, rows=0):
+    """Per method: [(primitives, Counter, build seconds, committed)] of each measured step."""
+    all_caches = [make_filled(model, m, ctx, rows) for m in methods]
     commits._local.waiting = []
-    toks = [mx.array([[1]]) for _ in methods]
+    toks = [mx.array([[1]] * max(rows, 1)) for _ in methods]
     out = [[] for _ in methods]
     # Each method's tiles waiting for a commit (commits.py, per thread): kept
     # apart, or one method's commit would quantize another's tiles too.
@@ -188,16 +208,18 @@ def run(model, methods, ctx, steps, count=True):
     return out
 
 
-def summarize(path, ctx, method, measured):
+def summarize(path, ctx, method, measured, rows=0):
     normal = [m for m in measured if not m[3]]
     commit = [m for m in measured if m[3]]
-    r = {"path": path, "context": ctx, "method": method,
+    r = {"path": path, "context": ctx, "method": method, "rows": rows,
          "primitives": int(np.median([m[0] for m in normal])),
          "primitives_range": [min(m[0] for m in normal), max(m[0] for m in normal)],
          "build_s": float(np.median([m[2] for m in normal])),
          "by_primitive": dict(normal[len(normal) // 2][1].most_common())}
-    if commit:
-        r.update(commit_primitives=commit[0][0], commit_build_s=commit[0][2])
+    if commit:  # the heaviest of the steps that quantized tiles
+        worst = max(commit, key=lambda m: m[0])
+        r.update(commit_steps=len(commit), commit_primitives=worst[0], commit_build_s=max(m[2] for m in commit),
+                 commit_by_primitive=dict(worst[1].most_common()))
     return r
 
 
@@ -207,9 +229,13 @@ def render(data, times=True):
           "with random K/V): the primitives in the step's graph (mx.export_to_dot from the next token; "
           "deterministic) and the host time to build it (the model call before evaluation; median). 'ops': the "
           "MLX ops path this CPU runs. 'metal': the graph the Metal path builds (kernels and mx.fast ops one "
-          "primitive each, as on a GPU; see benchmarks/step_graph.py). 'commit step': the step that quantizes "
-          "the tile the previous step completed, in every layer. Ratios against the plain cache (fp) of the same "
+          "primitive each, as on a GPU; see benchmarks/step_graph.py). 'commit step': the heaviest of the steps "
+          "that quantize the tiles the first measured step completed (its primitives, and the longest build). Ratios against the plain cache (fp) of the same "
           "path and context.\n"]
+    if data.get("batch_rows"):
+        md.append(f"Batched: {data['batch_rows']} sequences decoding together (mlx-lm's merge: BatchKVCache for fp, "
+                  "BatchKVarNCache for KVarN); 'context' is the longest row, the others are shorter by steps of "
+                  "context / (2 x rows) tokens (step_graph.row_lengths).\n")
     head = "| path | context | method | primitives | vs fp | commit step | vs fp |"
     rule = "|---|---|---|---|---|---|---|"
     if times:
@@ -237,6 +263,7 @@ def main(argv=None):
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--paths", default=",".join(PATHS))
     p.add_argument("--steps", type=int, default=8, help="measured decode steps per method (after 2 warm-up steps)")
+    p.add_argument("--rows", type=int, default=0, help="decode this many sequences as one batch (default: one, no batch)")
     p.add_argument("--counts-only", action="store_true", help="leave the host build times out of the markdown")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="suffix for the output files (step_graph_<tag>.md)")
@@ -258,9 +285,9 @@ def main(argv=None):
     for path in paths:
         for ctx in (int(c) for c in args.contexts.split(",")):
             with metal_graph() if path == "metal" else contextlib.nullcontext():
-                measured = run(model, methods, ctx, args.steps)
+                measured = run(model, methods, ctx, args.steps, rows=args.rows)
             for m, steps in zip(methods, measured):
-                rows.append(summarize(path, ctx, m, steps))
+                rows.append(summarize(path, ctx, m, steps, args.rows))
                 r = rows[-1]
                 print(f"{path} {ctx} {m}: {r['primitives']} primitives, build {1000 * r['build_s']:.1f} ms"
                       + (f", commit step {r['commit_primitives']} / {1000 * r['commit_build_s']:.1f} ms"
@@ -268,6 +295,8 @@ def main(argv=None):
     name = args.model or "SmolLM2-135M-Instruct (embedded, float32)"
     meta = metadata(name, "python benchmarks/step_graph.py " + " ".join(sys.argv[1:] if argv is None else argv))
     data = {"meta": meta, "steps": args.steps, "rows": rows}
+    if args.rows:
+        data["batch_rows"] = args.rows
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "step_graph" + (f"_{args.tag}" if args.tag else "")

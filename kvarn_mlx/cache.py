@@ -83,6 +83,9 @@ class KVarNCache(_BaseCache):
         self.provisional = None
         # (commits.stamp, Tiles): the waiting tiles, quantized in another cache's commit.
         self.batched = None
+        # The update at which waiting tiles are committed (commits.register, due):
+        # after `commit_turn` updates; `waited` counts them.
+        self.commit_turn, self.waited = None, 0
         self.n_sink = self.n_tail = 0
         self.sink_k = self.sink_v = self.tail_k = self.tail_v = None
         self.tiles = None
@@ -118,7 +121,7 @@ class KVarNCache(_BaseCache):
         if self.key_candidates is not None:  # no attention call decided: the keys stand in
             self.decide_key_rotation()
         short = L <= self.short_step
-        self._commit(short)  # a short step's whole tiles, before this step reads the tiles
+        self._commit(short, L)  # a short step's whole tiles, before this step reads the tiles
         n_seen = self.n_tiles
         self.offset += L
 
@@ -147,7 +150,7 @@ class KVarNCache(_BaseCache):
             self._append(rk[..., : m * G, :].reshape(B, H, m, G, D), rv[..., : m * G, :].reshape(B, H, m, G, D))
             self._new_tail(rk[..., m * G :, :], rv[..., m * G :, :])
         step = self._view(n_seen, rk, rv)
-        if short and self.n_tail > G:
+        if short and self.n_tail > G > self.n_tail - L:  # this step completed a tile
             step.split = L - (self.n_tail - G)
             step.later = self._later_view(n_seen, step.split)
         if short and self.n_tail >= G and not self.provisional:
@@ -195,14 +198,20 @@ class KVarNCache(_BaseCache):
         self.tail_k, self.tail_v = mx.pad(k.astype(self.tail_k.dtype), pad), mx.pad(v.astype(self.tail_v.dtype), pad)
         self.n_tail = r
 
-    def _commit(self, short):
+    def _commit(self, short, L=0):
         """Quantize the whole tiles waiting in the tail (left by a short step); a
-        provisional one is already quantized. As in one-token decoding, a short
-        step's first query row chooses the "auto" key rotation of tiles made here."""
+        provisional one is already quantized. A short step (L tokens) before the
+        cache's turn (commits.due) leaves them waiting, as long as the tail stays
+        under two tiles. As in one-token decoding, a short step's first query
+        row chooses the "auto" key rotation of tiles made here."""
         G = self.config.group_size
         m = self.n_tail // G
         if m == 0:
             return
+        if short and not self.provisional and self.n_tail + L < 2 * G and not commits.due(self):
+            self.waited += 1
+            return
+        self.commit_turn = None
         k, v = self.tail_k[..., : self.n_tail, :], self.tail_v[..., : self.n_tail, :]
         if self.provisional:
             self.tiles.count += 1
@@ -359,7 +368,7 @@ class KVarNCache(_BaseCache):
         if self.key_candidates is not None:
             self.decide_key_rotation()
         keep = self.offset - n
-        self.batched = None
+        self.batched, self.commit_turn = None, None
         S, G = self.config.sink_size, self.config.group_size
         # A provisional tile needs its tokens, and a "first" one the token whose
         # query chose the key rotation (else the next tile's first query chooses).

@@ -12,8 +12,17 @@ benchmarks/results/decode_speed.md).
 A cache registers when its update leaves whole tiles waiting. The first
 registered cache to commit quantizes, with its own, the tiles of every
 registered cache that still holds what it registered (same token counts) with
-the same `commit_key()` (shapes and settings), and leaves each its result. Per thread, like the
-steps that fill the tiles.
+the same `commit_key()` (shapes and settings) whose turn it is, and leaves each
+its result. Per thread, like the steps that fill the tiles.
+
+Turns spread the commit: a decode step completes the tile of every layer at
+once, and quantizing them all in the next step made that one step pay for
+every layer (the embedded model's commit step built 2.3x a plain step's
+primitives on the Metal path, benchmarks/results/step_graph_before.md). The
+caches registered in one step are quantized PER_STEP at a time over the
+following steps, in the order they registered; until its turn a cache keeps
+its tile in the tail and attention reads it in full precision. The stored bits
+are the same.
 """
 
 import threading
@@ -33,10 +42,27 @@ def stamp(cache):
     return cache.offset, cache.n_tiles, cache.n_tail
 
 
+# Caches (layers x batch rows) whose waiting tiles one step quantizes.
+PER_STEP = 6
+# A cache's turn comes at most this many updates after its tile completed (the
+# tail holds the tile and the tokens after it meanwhile, less than two tiles).
+MAX_WAIT = 8
+
+
 def register(cache):
-    """cache's tail holds whole tiles that its next update commits."""
+    """cache's tail holds whole tiles that one of its next updates commits. Its
+    first registration for these tiles gives it its turn (cache.commit_turn):
+    after the caches still waiting, PER_STEP a step."""
     waiting = _local.__dict__.setdefault("waiting", [])
+    if cache.commit_turn is None:
+        waiting[:] = [(r, s) for r, s in waiting if (c := r()) is not None and c is not cache and s == stamp(c)]
+        cache.commit_turn, cache.waited = min(len(waiting) // PER_STEP, MAX_WAIT), 0
     waiting.append((weakref.ref(cache), stamp(cache)))
+
+
+def due(cache):
+    """Whether cache's waiting tiles are quantized at this update (else it waits)."""
+    return cache.commit_turn is None or cache.waited >= cache.commit_turn
 
 
 def take(cache) -> Tiles | None:
@@ -53,8 +79,9 @@ def take(cache) -> Tiles | None:
     key = cache.commit_key()
     if key is None or id(cache) not in live:
         return None
-    peers = [c for c, k in live.values() if k == key]
-    _local.waiting = [(weakref.ref(c), stamp(c)) for c, k in live.values() if k != key]
+    turn = [k == key and due(c) for c, k in live.values()]
+    peers = [c for (c, _), now in zip(live.values(), turn) if now]
+    _local.waiting = [(weakref.ref(c), stamp(c)) for (c, _), now in zip(live.values(), turn) if not now]
     if len(peers) < 2:
         return None
     m, G = key[-1], cache.config.group_size

@@ -147,10 +147,10 @@ def append(storage, new: Tiles, step):
     capacity = 0 if storage is None else storage.capacity
     if need > capacity:
         grown = max(need, capacity + step)
-        arrays = []
-        for name, x in zip(ARRAYS, new.arrays()):
-            room = mx.zeros((grown - capacity, x.shape[0], x.shape[1], *x.shape[3:]), x.dtype)
-            arrays.append(room if storage is None else mx.concatenate([getattr(storage, name), room]))
+        if storage is None:
+            arrays = [mx.zeros((grown, x.shape[0], x.shape[1], *x.shape[3:]), x.dtype) for x in new.arrays()]
+        else:  # one op per array: a decode step that commits a tile may grow the storage
+            arrays = [mx.pad(x, [(0, grown - capacity)] + [(0, 0)] * (x.ndim - 1)) for x in storage.arrays()]
         storage = TileStorage(*arrays, count=count)
     storage.write(count, new.arrays())
     storage.count = need

@@ -70,3 +70,19 @@ def test_step_graph_quick(tmp_path):
     assert "Depends" in rows["metal", "k4v2_g128"]["by_primitive"]
     md = (out / "step_graph.md").read_text()
     assert "python benchmarks/step_graph.py --quick" in md and md.count("\n| ") == 1 + len(data["rows"])
+
+
+def test_step_graph_quick_batch(tmp_path):
+    # --rows: sequences of different lengths joined by mlx-lm's merge, decoding together.
+    sg = _load()
+    folder = tiny_model_folder(tmp_path / "model")
+    out = tmp_path / "results"
+    sg.main(["--quick", "--rows", "3", "--methods", "fp,k4v2_g128", "--model", str(folder), "--out", str(out)])
+    data = json.loads((out / "step_graph.json").read_text())
+    assert data["batch_rows"] == 3 and [(r["path"], r["method"], r["rows"]) for r in data["rows"]] == [
+        (p, m, 3) for p in sg.PATHS for m in ("fp", "k4v2_g128")]
+    lengths = sg.row_lengths(int(sg.QUICK["contexts"]), 3)
+    assert lengths == sorted(set(lengths)) and lengths[-1] == int(sg.QUICK["contexts"]) - sg.WARMUP - 1
+    for r in data["rows"]:
+        assert r["primitives"] > 0 and r["build_s"] > 0
+    assert "Batched: 3 sequences" in (out / "step_graph.md").read_text()
