@@ -11,8 +11,9 @@ mlx-lm's tests load mlx-community/Qwen1.5-0.5B-Chat-4bit from the Hugging Face
 Hub; here the module's `load` is replaced by one that loads a tiny random-weight
 llama with the embedded model's tokenizer (tests/model_folder.py), the same
 for all three runs. In the kvarn_mlx runs, the test module's APIHandler,
-ResponseGenerator and LRUPromptCache are kvarn_mlx.server's, mlx-lm's
-BatchGenerator and make_prompt_cache are rebound as the server rebinds them,
+ResponseGenerator and LRUPromptCache are kvarn_mlx.server's (hooks, handler),
+mlx-lm's BatchGenerator, stream_generate and make_prompt_cache are rebound as
+the server's run() rebinds them,
 and the model names the tests send ("default_model", "chat_model") are served.
 Writes benchmarks/results/mlx_lm_server_tests.{json,md}.
 """
@@ -47,7 +48,9 @@ class Patches:
 
     def pytest_collection_finish(self, session):
         import argparse as ap
+        import functools
 
+        import mlx_lm.server as mlx_server
         from mlx_lm import utils
 
         modules = {item.module for item in session.items}
@@ -55,13 +58,19 @@ class Patches:
             m.load = lambda path, *a, **k: utils.load(self.model_dir, *a, **k)
             if self.preset is None:
                 continue
-            from kvarn_mlx import server
+            from kvarn_mlx.server import hooks
+            from kvarn_mlx.server.handler import APIHandler
+            from kvarn_mlx.server.stats import KVStats
 
             settings = ap.Namespace(allowed_hosts=[], allowed_origins=["*"], api_key=None, kv_preset=self.preset,
                                     kv_sink=None, max_kv_bytes=None, model="chat_model")
-            server.install(settings)  # as python -m kvarn_mlx.server does
-            m.APIHandler, m.ResponseGenerator, m.LRUPromptCache = (server.APIHandler, server.ResponseGenerator,
-                                                                   server.PromptCache)
+            stats = KVStats()
+            hooks.install_caches(self.preset, None)  # as python -m kvarn_mlx.server does
+            mlx_server.BatchGenerator = functools.partial(hooks.BatchGenerator, stats=stats)
+            mlx_server.stream_generate = functools.partial(hooks.stream_generate, stats=stats)
+            m.APIHandler = lambda generator, *a, **k: APIHandler(generator, stats, settings, *a, **k)
+            m.ResponseGenerator = hooks.ResponseGenerator
+            m.LRUPromptCache = lambda *a, **k: hooks.PromptCache(stats, *a, **k)
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or report.outcome != "passed":

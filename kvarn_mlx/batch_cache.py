@@ -16,10 +16,10 @@ import weakref
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import _BaseCache
 
 from . import attention
 from .cache import KVarNCache
+from .mlx_lm_private import BaseCache
 
 # Masks this module made for full causal attention over the batch layout:
 # attention recognizes them (by identity) and runs each row causally on its
@@ -27,7 +27,7 @@ from .cache import KVarNCache
 _causal_masks = weakref.WeakValueDictionary()
 
 
-class BatchKVarNCache(_BaseCache):
+class BatchKVarNCache(BaseCache):
     """One KVarNCache per sequence, with mlx-lm's batch protocol on top."""
 
     def __init__(self, rows, left_padding=None):

@@ -15,6 +15,7 @@ stops generation at most one allocation early, never late. The bound is on
 bytes held; the copy a growing buffer makes is released at the end of the step.
 """
 
+import logging
 import math
 
 from . import memory, plan
@@ -95,3 +96,21 @@ class KVBudget:
                 f"the KV cache holds {held:,} bytes ({plan.human(held)}) for {tokens} tokens, and the next "
                 f"{L} token{'s' if L > 1 else ''} could add up to {more:,} bytes "
                 f"({plan.human(more)}): beyond the budget of {self.max_bytes:,} bytes ({plan.human(self.max_bytes)})")
+
+
+def fit_tokens(kv, n, max_tokens):
+    """The max_tokens that keep one request's cache (n prompt tokens) within kv's budget,
+    by the planner's byte models: the most the cache could hold at that many tokens, room
+    included, whatever the steps. BudgetExceeded if the prompt itself does not fit."""
+    peak = lambda t: sum(m.peak(t) for m in kv.models)  # noqa: E731
+    if peak(n + 1) > kv.max_bytes:
+        raise BudgetExceeded(
+            f"--max-kv-bytes: the {n}-token prompt does not fit: its KV cache could hold up to {peak(n + 1):,} "
+            f"bytes ({plan.human(peak(n + 1))}), beyond the budget of {kv.max_bytes:,} bytes "
+            f"({plan.human(kv.max_bytes)}). Shorten the prompt, or start the server with a larger "
+            "--max-kv-bytes or a smaller --kv-preset (python -m kvarn_mlx.plan shows what fits)")
+    if peak(n + max_tokens) <= kv.max_bytes:
+        return max_tokens
+    fit = plan.longest_context(peak, 1, kv.max_bytes) - n
+    logging.warning(f"--max-kv-bytes: a {n}-token prompt may generate {fit} tokens, not {max_tokens}")
+    return fit

@@ -13,10 +13,11 @@ import logging
 import weakref
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache, create_attention_mask
+from mlx_lm.models.cache import create_attention_mask
 
 from . import commits, dispatch, quant, rotation
 from .config import DEFAULT_PRESET, KVarNConfig, get_preset
+from .mlx_lm_private import BaseCache
 from .tiles import ARRAYS, StepView, Tiles, append, derived, keep_derived
 
 log = logging.getLogger("kvarn_mlx")
@@ -49,7 +50,7 @@ def cannot_hold(config, k_dim, v_dim):
     return None
 
 
-class KVarNCache(_BaseCache):
+class KVarNCache(BaseCache):
     """KV cache quantized with KVarN; drop-in for mlx-lm's KVCache.
 
     Attention over it runs in the packed domain once `kvarn_mlx.patch()` is on

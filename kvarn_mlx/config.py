@@ -117,3 +117,16 @@ def get_preset(preset: "str | KVarNConfig", **overrides) -> KVarNConfig:
                          f"kXvY_gG_auto with X, Y in {SUPPORTED_BITS} and G in {SUPPORTED_GROUP_SIZES} "
                          "(or a KVarNConfig)")
     return replace(named, **overrides)
+
+
+def preset_error(name):
+    """None if `name` names a KV cache the commands take: fp16 (mlx-lm's plain
+    cache) or a preset get_preset knows; else the message saying what is valid.
+    The one check of a preset name, for the CLI, the server and the chat app."""
+    if name == FP16:
+        return None
+    try:
+        get_preset(name)
+    except ValueError as e:
+        return f"{str(e).replace(' (or a KVarNConfig)', '')}; or {FP16} (mlx-lm's plain cache)"
+    return None

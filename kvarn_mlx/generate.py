@@ -14,9 +14,7 @@ prompt cache (if asked for) are kept, and the exit code is 130.
 import argparse
 import math
 import os
-import signal
 import sys
-import threading
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
@@ -24,14 +22,14 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from . import budget, memory, prompt_cache
+from .cli_support import INTERRUPTED, CtrlC, load_error, model_context
 from .cache import KVarNCache
 from .integration import make_cache
-from .config import DEFAULT_PRESET, FP16, PRESETS, get_preset
+from .config import DEFAULT_PRESET, FP16, PRESETS, preset_error
 from .prompt_cache import PromptCacheError
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
-INTERRUPTED = 130  # the shell's exit code for a process stopped by Ctrl-C
 
 
 class UsageError(ValueError):
@@ -75,12 +73,8 @@ def setup_arg_parser():
 
 def check_args(args):
     """Raise UsageError for the first flag that cannot work (before any model is loaded)."""
-    if args.kv_preset != FP16:
-        try:
-            get_preset(args.kv_preset)
-        except ValueError:
-            raise UsageError(f"unknown --kv-preset {args.kv_preset!r}; valid: {', '.join([*PRESETS, FP16])}, "
-                             "or any kXvY_gG[_auto] (X, Y: key and value bits, 2-6 or 8; G: 64 or 128)") from None
+    if preset_error(args.kv_preset):
+        raise UsageError(f"--kv-preset: {preset_error(args.kv_preset)}")
     fp16_layers(args)
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens {args.max_tokens}: generate at least 1 token")
@@ -148,16 +142,6 @@ def build_prompt(tokenizer, prompt, system_prompt=None, ignore_chat_template=Fal
     return tokenizer.encode(prompt)
 
 
-def load_error(spec, e):
-    """One line for a model that failed to load (the loader's own message, or mlx's on damaged files)."""
-    from .loader import ModelLoadError
-
-    if isinstance(e, ModelLoadError):
-        return str(e)
-    return (f"cannot load the model {spec or 'embedded default'}: {e}. The weights file may be incomplete "
-            "or corrupt; download or convert it again")
-
-
 def load_model(spec):
     from .loader import ModelLoadError, load
 
@@ -181,7 +165,7 @@ def load_shard(spec):
 
 def context_limit(model, args, held, n_prompt):
     """max_tokens within the model's context, warning on stderr when the run would go beyond it."""
-    limit = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    limit = model_context(model)
     if not limit:
         return args.max_tokens
     what = f"{n_prompt}-token prompt" + (f" (after {held} cached tokens)" if held else "")
@@ -200,32 +184,6 @@ def context_limit(model, args, held, n_prompt):
         print(f"warning: {msg}; stopping after {room} tokens (--allow-beyond-context goes on)", file=sys.stderr)
         return room
     return args.max_tokens
-
-
-class CtrlC:
-    """While active, Ctrl-C asks the generation to stop at the next token instead of
-    raising KeyboardInterrupt inside MLX; a second Ctrl-C raises it at once."""
-
-    def __init__(self):
-        self.pressed = False
-
-    def __enter__(self):
-        self._old = None
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, *_):
-        if self.pressed:
-            raise KeyboardInterrupt
-        self.pressed = True
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-
-    def is_set(self):  # as a threading.Event, for code that takes a cancel event
-        return self.pressed
 
 
 class _StopPrefill(Exception):

@@ -217,10 +217,10 @@ class Layer:
 def lazy_model(config, dtype):
     """The model's mlx-lm class built from its config in `dtype`. Parameters are lazy
     arrays: their shapes exist, nothing is computed or allocated."""
-    from mlx_lm.utils import _get_classes
+    from .mlx_lm_private import model_classes
 
     try:
-        model_cls, args_cls = _get_classes(config)
+        model_cls, args_cls = model_classes(config)
         model = model_cls(args_cls.from_dict(config))
     except Exception as e:
         raise PlanError(f"mlx-lm cannot build model type {config.get('model_type')!r} from this config.json: {e}") from e

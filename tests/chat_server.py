@@ -24,6 +24,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 
 from apps.chat.server import ChatHandler  # noqa: E402
+from kvarn_mlx.server.stats import KVStats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
@@ -59,8 +60,8 @@ def serve(save_dir, allowed_hosts=(), allowed_origins=(), api_key=None):
     stub = StubGenerator()
     settings = argparse.Namespace(allowed_hosts=list(allowed_hosts), allowed_origins=list(allowed_origins),
                                   api_key=api_key, kv_preset="k4v2_g128", kv_sink=None, save_dir=Path(save_dir))
-    handler = type("Handler", (ChatHandler,), {"settings": settings})
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), lambda *a, **k: handler(stub, *a, **k))
+    stats = KVStats()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), lambda *a, **k: ChatHandler(stub, stats, settings, *a, **k))
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, name="chat-http", daemon=True)
     thread.start()

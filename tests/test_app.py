@@ -338,8 +338,9 @@ def _drive_page(p, server):
 
 
 def test_only_loopback_is_quiet():
-    from apps.chat.__main__ import PORT, arg_parser, is_loopback, network_warning
-    from kvarn_mlx.server import flag
+    from apps.chat.__main__ import PORT, arg_parser, network_warning
+    from kvarn_mlx.cli_support import flag
+    from kvarn_mlx.guard import is_local_name as is_loopback
 
     assert flag([], "--host", "127.0.0.1") == "127.0.0.1" and flag(["--host=::"], "--host") == "::"
     assert PORT == 8321 and arg_parser().parse_known_args([])[0].save_dir.name == "chats"

@@ -51,7 +51,7 @@ def test_prompt_cache_file_saved_then_reused(capsys, smollm, tmp_path):
 
 
 def test_bad_input_exits_with_the_fix(capsys, smollm, tmp_path):
-    with pytest.raises(SystemExit, match="unknown --kv-preset 'k1v1'; valid: .*k4v2_g128"):
+    with pytest.raises(SystemExit, match="--kv-preset: unknown KVarN preset 'k1v1'; valid presets: .*k4v2_g128"):
         generate.main(["--kv-preset", "k1v1"])
     bad = tmp_path / "broken.safetensors"
     bad.write_bytes(b"not a safetensors file")

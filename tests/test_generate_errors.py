@@ -51,7 +51,7 @@ def one_line_error(argv):
     (["--temp", "-0.5"], "--temp -0.5"),
     (["--top-p", "1.5"], "--top-p 1.5"),
     (["--top-p", "nan"], "--top-p nan"),
-    (["--kv-preset", "k1v1"], "unknown --kv-preset 'k1v1'"),
+    (["--kv-preset", "k1v1"], "--kv-preset: unknown KVarN preset 'k1v1'"),
     (["--prompt", "", "--ignore-chat-template"], "empty prompt"),
     (["--prompt", "  \n", "--ignore-chat-template"], "empty prompt"),
 ])

@@ -1,10 +1,12 @@
-"""Every private mlx-lm name this project uses, named in one list, and still
-where the installed mlx-lm has it.
+"""Every private mlx-lm name this project uses is listed at the top of the one
+module that uses it (kvarn_mlx/server/hooks.py for the server,
+kvarn_mlx/mlx_lm_private.py for the rest), and is still where the installed
+mlx-lm has it.
 
 pyproject.toml pins mlx-lm to the minor version these names were checked
 against; a new mlx-lm that moves one fails here, naming it, before any server
-test fails in a way that hides why. A private name used in the code but not
-listed (or listed but no longer used) fails too, so the list stays the truth.
+test fails in a way that hides why. A private name used anywhere else, or used
+but not listed, or listed but no longer used, fails too.
 """
 
 import ast
@@ -15,22 +17,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from kvarn_mlx import mlx_lm_private
+from kvarn_mlx.server import hooks
 
-# "module:qualified.name" of each private mlx-lm name, and who uses it for what.
-PRIVATE = {
-    "mlx_lm.models.cache:_BaseCache": "cache.py, batch_cache.py, eval/runner.py: the base class of mlx-lm's caches",
-    "mlx_lm.utils:_get_classes": "plan.py: a model's classes from its config, without loading weights",
-    "mlx_lm.server:_run_http_server": "server.run: mlx-lm's HTTP server with our handler and generator",
-    "mlx_lm.server:ResponseGenerator._tokenize": "server.ResponseGenerator: --max-kv-bytes caps max_tokens",
-    "mlx_lm.server:ResponseGenerator._generation_failed": "server: exit when the generation thread dies",
-    "mlx_lm.generate:BatchGenerator._generation_batch": "server.BatchGenerator: live KV figures",
-    "mlx_lm.generate:BatchGenerator._prompt_batch": "server.BatchGenerator: live KV figures",
-    "mlx_lm.generate:BatchGenerator._unprocessed_sequences": "server.BatchGenerator: live KV figures",
-    "mlx_lm.models.cache:LRUPromptCache._trie": "server.PromptCache.entries: the prompt cache's bytes",
-    "mlx_lm.models.cache:LRUPromptCache._lru": "server.PromptCache.entries",
-    "mlx_lm.models.cache:LRUPromptCache.CacheOrder._lrus": "server.PromptCache.entries",
-}
+ROOT = Path(__file__).resolve().parents[1]
+# module file: its list of "module:qualified.name" -> what it is for
+LISTS = {"kvarn_mlx/server/hooks.py": hooks.MLX_LM_PRIVATE,
+         "kvarn_mlx/mlx_lm_private.py": mlx_lm_private.MLX_LM_PRIVATE}
+PRIVATE = {spec: use for names in LISTS.values() for spec, use in names.items()}
 # Names our own code defines that mlx-lm happens to use too (not mlx-lm's).
 OWN = {
     ("kvarn_mlx/loader.py", "_download"): "the embedded model's own download helper",
@@ -93,25 +87,26 @@ def _private_names(module):
         | set(re.findall(r"^(_\w+)\s*=", text, re.M))
 
 
-def test_the_list_names_every_private_mlx_lm_name_the_code_uses():
+def test_private_names_are_used_only_where_they_are_listed():
     """Attributes, method overrides and imports in our files whose names are
-    private names of the mlx-lm modules the file imports."""
-    listed = {spec.split(":")[1].rsplit(".", 1)[-1] for spec in PRIVATE}
-    used = set()
+    private names of the mlx-lm modules the file imports: only in the two
+    modules that list them, and each listed name used there."""
     for path in SOURCES:
+        rel = str(path.relative_to(ROOT))
         text = path.read_text()
-        assert 'sys.modules["mlx_lm' not in text or path.name == "server.py", \
-            f"{path}: reaches into sys.modules for mlx-lm; list it in {Path(__file__).name}"
+        if rel not in LISTS:
+            for pattern in ('sys.modules["mlx_lm', "mlx_server._", "mlx_cache._", "._lrus"):
+                assert pattern not in text, f"{rel} uses {pattern!r}: private mlx-lm names go in server/hooks.py"
         tree = ast.parse(text)
         theirs = set().union(set(), *(_private_names(m) for m in _mlx_lm_modules(tree)))
-        if not theirs:
-            continue
         names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
         names |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
         names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
-        rel = str(path.relative_to(ROOT))
-        for name in names & theirs:
-            if not name.startswith("__") and (rel, name) not in OWN:
-                used.add(name)
-                assert name in listed, f"{rel} uses mlx-lm's private {name}: add it to PRIVATE in {__name__}"
-    assert listed <= used, f"listed but no longer used: {sorted(listed - used)}"
+        used = {n for n in names & theirs if not n.startswith("__") and (rel, n) not in OWN}
+        if rel not in LISTS:
+            assert not used, f"{rel} uses mlx-lm's private {sorted(used)}: only server/hooks.py and " \
+                             "mlx_lm_private.py may (and list them)"
+            continue
+        listed = {spec.split(":")[1].rsplit(".", 1)[-1] for spec in LISTS[rel]}
+        assert used <= listed, f"{rel} uses mlx-lm's private {sorted(used - listed)} without listing them"
+        assert listed <= used, f"{rel} lists {sorted(listed - used)} but no longer uses them"

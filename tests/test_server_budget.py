@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from kvarn_mlx import budget, memory, server as kv_server
+from kvarn_mlx import budget, memory
 from kvarn_mlx.integration import make_cache
 from kvarn_mlx.config import get_preset
 from test_server_mlx import client, get, model_dir, prompt, request, server  # noqa: F401 (fixture)
@@ -23,9 +23,9 @@ def test_fit_tokens_holds_within_the_budget(model_dir):
     n = 100
     for max_bytes in (150_000, 250_000):
         kv = kv_budget(model, max_bytes)
-        fit = kv_server.fit_tokens(kv, n, 10_000)
+        fit = budget.fit_tokens(kv, n, 10_000)
         assert 0 < fit < 10_000
-        assert kv_server.fit_tokens(kv, n, fit) == fit and kv_server.fit_tokens(kv, n, 3) == 3
+        assert budget.fit_tokens(kv, n, fit) == fit and budget.fit_tokens(kv, n, 3) == 3
         # A real cache fed the prompt in one chunk and then one token at a time holds at most the budget.
         cache, held = make_cache(model, get_preset(PRESET, sink=SINK)), 0
         x = mx.zeros((1, n), mx.int32)
@@ -37,9 +37,9 @@ def test_fit_tokens_holds_within_the_budget(model_dir):
         assert held <= max_bytes
         # The most tokens the planner's bound allows (it counts the worst order of steps, so
         # this order holds less): one more is cut.
-        assert kv_server.fit_tokens(kv, n, fit + 1) == fit and held > max_bytes / 2
+        assert budget.fit_tokens(kv, n, fit + 1) == fit and held > max_bytes / 2
     with pytest.raises(budget.BudgetExceeded, match="--max-kv-bytes: the 5000-token prompt does not fit"):
-        kv_server.fit_tokens(kv_budget(model, 150_000), 5000, 10)
+        budget.fit_tokens(kv_budget(model, 150_000), 5000, 10)
 
 
 def test_server_stops_a_reply_at_the_budget_and_refuses_a_prompt_that_cannot_fit(model_dir):
@@ -52,7 +52,7 @@ def test_server_stops_a_reply_at_the_budget_and_refuses_a_prompt_that_cannot_fit
                                       max_tokens=2000, temperature=0.0)
         n, got = r.usage.prompt_tokens, r.usage.completion_tokens
         assert r.choices[0].finish_reason == "length"
-        assert got == kv_server.fit_tokens(kv, n, 2000) < 2000
+        assert got == budget.fit_tokens(kv, n, 2000) < 2000
         held = get(url + f"/v1/kv_stats?request={r.id}")["request"]["held"]
         assert 0 < held <= size
         status, body = request(url + "/v1/chat/completions", body=(

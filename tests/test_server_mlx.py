@@ -211,8 +211,8 @@ def test_speculative_decoding_with_a_draft_model(model_dir, tmp_path):
 
 
 def test_preset_names():
-    """--kv-preset takes what kvarn_mlx.config.get_preset takes, as generate does."""
-    from kvarn_mlx.server import _preset_error
+    """--kv-preset takes what kvarn_mlx.config.get_preset takes, as generate does (one rule)."""
+    from kvarn_mlx.config import preset_error as _preset_error
 
     for name in ("auto4v2", "k4v2_g128", "k3v3_g64", "k5v2_g128_auto"):
         assert _preset_error(name) is None, name

@@ -14,7 +14,7 @@ import pytest
 from chat_server import port_of, post, read_response, serve, user
 
 from apps.chat import server as chat  # noqa: E402
-from kvarn_mlx import server as kv_server  # noqa: E402
+from kvarn_mlx.server import http_io  # noqa: E402
 
 API = "/v1/chat/completions"
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
@@ -110,7 +110,7 @@ def stream_body(port, chunks, head):
     return sent, data
 
 
-@pytest.mark.parametrize("path,limit", [(API, kv_server.MAX_BODY), ("/api/save", chat.MAX_BODY)])
+@pytest.mark.parametrize("path,limit", [(API, http_io.MAX_BODY), ("/api/save", chat.MAX_BODY)])
 def test_declared_length_over_limit_refused_at_once(app, path, limit):
     url, stub, _ = app
     head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvarn_mlx import loader, server
+from kvarn_mlx import loader
+from kvarn_mlx.server import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,17 +23,17 @@ def folders(monkeypatch):
 
 def test_embedded_names_become_folders(folders, tmp_path):
     key = loader.DEFAULT.key
-    assert server._resolve_model(["--port", "1"]) == ["--port", "1", "--model", folders(key)]
-    assert server._resolve_model(["--model", f"embedded:{key}", "--port", "1"]) == ["--model", folders(key),
+    assert cli.resolve_model(["--port", "1"]) == ["--port", "1", "--model", folders(key)]
+    assert cli.resolve_model(["--model", f"embedded:{key}", "--port", "1"]) == ["--model", folders(key),
                                                                                       "--port", "1"]
-    assert server._resolve_model([f"--model={key}"]) == ["--model", folders(key)]
+    assert cli.resolve_model([f"--model={key}"]) == ["--model", folders(key)]
     for spec in (str(tmp_path), "mlx-community/Qwen3-4B-4bit"):  # a folder, a hub id: mlx-lm's to load
-        assert server._resolve_model(["--model", spec]) == ["--model", spec]
+        assert cli.resolve_model(["--model", spec]) == ["--model", spec]
 
 
 def test_unknown_embedded_name_is_an_error(folders):
     with pytest.raises(SystemExit, match="no embedded model 'nope'"):
-        server._resolve_model(["--model", "embedded:nope"])
+        cli.resolve_model(["--model", "embedded:nope"])
 
 
 def test_a_model_that_cannot_load_stops_the_server(tmp_path):

@@ -47,7 +47,7 @@ def test_the_wheel_holds_only_kvarn_mlx(wheel):
     top = {n.split("/")[0] for n in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"kvarn_mlx"}, sorted(top)
     for f in ("kvarn_mlx/chat/__main__.py", "kvarn_mlx/chat/static/index.html", "kvarn_mlx/metal/quantize_tiles.metal",
-              "kvarn_mlx/server.py"):
+              "kvarn_mlx/server/hooks.py", "kvarn_mlx/server/__main__.py"):
         assert f in names, f
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry_points).decode()

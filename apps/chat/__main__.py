@@ -3,11 +3,11 @@ by python -m kvarn_mlx.server (all of its flags, and mlx_lm.server's, work), or
 --cli: a chat in the terminal."""
 
 import argparse
-import ipaddress
 import sys
 from pathlib import Path
 
-from kvarn_mlx import server
+from kvarn_mlx import guard, server
+from kvarn_mlx.cli_support import flag
 from kvarn_mlx.config import DEFAULT_PRESET
 from kvarn_mlx.loader import home
 
@@ -38,18 +38,9 @@ def arg_parser():
     return p
 
 
-def is_loopback(host):
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def network_warning(host, api_key):
     """The warning for a bind beyond loopback (None on loopback)."""
-    if is_loopback(host):
+    if guard.is_local_name(host):
         return None
     if api_key:
         who = "Clients need the API key; it travels unencrypted (plain HTTP)."
@@ -72,9 +63,9 @@ def main(argv=None):
     ours, rest = parser.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         return server.main(argv, parser=parser)
-    if server.flag(rest, "--port") is None:
+    if flag(rest, "--port") is None:
         argv += ["--port", str(PORT)]
-    host, port = server.flag(rest, "--host", "127.0.0.1"), server.flag(argv, "--port")
+    host, port = flag(rest, "--host", "127.0.0.1"), flag(argv, "--port")
     warning = network_warning(host, ours.api_key)
     if warning:
         print(warning, file=sys.stderr, flush=True)

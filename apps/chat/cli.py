@@ -2,7 +2,7 @@
 
 import sys
 
-from kvarn_mlx.generate import INTERRUPTED, CtrlC, load_error
+from kvarn_mlx.cli_support import INTERRUPTED, CtrlC, load_error
 from kvarn_mlx.loader import ModelLoadError
 
 from .engine import ChatError, Engine

@@ -17,13 +17,12 @@ from mlx_lm.sample_utils import make_sampler
 
 from kvarn_mlx import memory, prompt_cache
 from kvarn_mlx.integration import make_cache
-from kvarn_mlx.config import DEFAULT_PRESET, FP16, PRESETS, get_preset
+from kvarn_mlx.cli_support import model_context
+from kvarn_mlx.config import DEFAULT_PRESET, preset_error
 from kvarn_mlx.loader import DEFAULT_NAME, load
 
 from .errors import ChatError
 from .validate import check_messages
-
-PRESET_NAMES = (*PRESETS, FP16)
 
 
 def model_id(spec):
@@ -32,13 +31,9 @@ def model_id(spec):
 
 
 def check_preset(preset):
-    """A preset name make_cache takes: fp16, or any name kvarn_mlx.config.get_preset knows."""
-    if preset != FP16:
-        try:
-            get_preset(preset)
-        except ValueError as e:
-            raise ChatError(f"{e}; or {FP16} (mlx-lm's plain cache)", code="invalid_preset",
-                            param="kv_preset") from None
+    """A preset name make_cache takes (kvarn_mlx.config.preset_error's rule)."""
+    if preset_error(preset):
+        raise ChatError(preset_error(preset), code="invalid_preset", param="kv_preset")
     return preset
 
 
@@ -66,7 +61,7 @@ class Engine:
             self.model = self.tokenizer = None  # free the old weights before loading
             self.model, self.tokenizer = loaded or load(self.specs[name])
             self.name, self._identity = name, None
-            self.context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None) or 8192
+            self.context = model_context(self.model)  # None: the model does not say
             self.preset = None
         if preset != self.preset:
             self.preset = preset
@@ -109,14 +104,15 @@ class Engine:
         cancel: a threading.Event; when set, generation ends after the current token."""
         messages = check_messages(messages)
         ids = self.prompt_ids(messages)
-        if len(ids) >= self.context:
+        if self.context is not None and len(ids) >= self.context:
             raise ChatError(
                 f"the conversation is {len(ids)} tokens but {self.name} has a {self.context}-token "
                 "context; shorten the message or start a new chat", code="context_length_exceeded")
         max_tokens = self.default_max_tokens if max_tokens is None else int(max_tokens)
         if max_tokens < 1:
             raise ChatError("max_tokens must be at least 1", param="max_tokens")
-        max_tokens = min(max_tokens, self.context - len(ids))
+        if self.context is not None:
+            max_tokens = min(max_tokens, self.context - len(ids))
         temp = self.default_temp if temp is None else float(temp)
 
         reused = self._reuse(ids)

@@ -18,10 +18,10 @@ import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from kvarn_mlx import server
 from kvarn_mlx.guard import Refused
+from kvarn_mlx.server import APIHandler, http_io
 
-from .validate import ROLES, only_fields, parse_json
+from .validate import ROLES, only_fields
 
 STATIC = Path(__file__).parent / "static"
 FORMAT = "kvarn-chat"  # the saved files' marker: only files carrying it are ever replaced
@@ -57,7 +57,7 @@ def read_chat(path, limit=MAX_BODY):
     try:
         if path.is_symlink() or not path.is_file() or path.stat().st_size > limit:
             return None
-        data = parse_json(path.read_bytes())
+        data = http_io.parse_json(path.read_bytes())
     except (OSError, Refused):
         return None
     return data if data.get("format") == FORMAT else None
@@ -112,18 +112,18 @@ def chat_names(save_dir):
 # -- requests ---------------------------------------------------------------------------
 
 
-class ChatHandler(server.APIHandler):
-    """kvarn_mlx.server's handler plus the page and the saved chats."""
+class ChatHandler(APIHandler):
+    """kvarn_mlx.server's handler plus the page and the saved chats (settings.save_dir)."""
 
     def do_GET(self):
         path = urlsplit(self.path).path
         if path == "/":
-            if not self._refused(post=False, public=True):
-                self._send(200, (STATIC / "index.html").read_bytes(), "text/html; charset=utf-8")
+            if not self.refused(post=False, public=True):
+                http_io.send(self, 200, (STATIC / "index.html").read_bytes(), "text/html; charset=utf-8")
         elif path == "/api/chats":
-            if not self._refused(post=False):
+            if not self.refused(post=False):
                 save_dir = self.settings.save_dir
-                self._send_json({"chats": chat_names(save_dir), "dir": str(save_dir)})
+                self.send_json({"chats": chat_names(save_dir), "dir": str(save_dir)})
         else:
             super().do_GET()
 
@@ -131,21 +131,10 @@ class ChatHandler(server.APIHandler):
         act = {"/api/save": save_chat, "/api/load": load_chat}.get(urlsplit(self.path).path)
         if act is None:
             return super().do_POST()
-        if self._refused(post=True):
+        if self.refused(post=True):
             return
         try:
-            out = act(self.settings.save_dir, parse_json(self.read_body(MAX_BODY)))
+            out = act(self.settings.save_dir, http_io.parse_json(http_io.read_body(self, MAX_BODY)))
         except Refused as e:
-            return self.send_error_json(e)
-        self._send_json(out)
-
-    def _send_json(self, data):
-        self._send(200, json.dumps(data).encode(), "application/json")
-
-    def _send(self, status, body, content_type):
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
-        self.wfile.write(body)
+            return http_io.send_error(self, e)
+        self.send_json(out)

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import QuantizedKVCache, _BaseCache
+from mlx_lm.models.cache import QuantizedKVCache
 
 from ..cache import KVarNCache
+from ..mlx_lm_private import BaseCache
 
 
 class Progress:
@@ -183,7 +184,7 @@ def write_results(out, stem, tag, meta, result, markdown, draw):
 ATTENTION_MODES = ("dequant", "packed")
 
 
-class Dequantized(_BaseCache):
+class Dequantized(BaseCache):
     """A quantized cache shown to the model as a plain one: update_and_fetch
     returns its keys and values dequantized, so mlx-lm's own attention
     (mx.fast.scaled_dot_product_attention) runs over them."""

@@ -9,7 +9,7 @@ a 400 naming the field, in OpenAI's error format (guard.Refused).
 
 import math
 
-from .guard import Refused
+from ..guard import Refused
 
 MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
 MAX_TOP_LOGPROBS = 11  # mlx-lm's limit (-1: none)

@@ -17,8 +17,8 @@ import os
 import re
 from pathlib import Path
 
-from . import loader
-from .guard import Refused
+from .. import loader
+from ..guard import Refused
 
 DEFAULT_MODEL = "default_model"  # mlx-lm's name for --model
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

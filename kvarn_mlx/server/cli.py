@@ -1,0 +1,93 @@
+"""kvarn-server, python -m kvarn_mlx.server: mlx-lm's server command with the
+KVarN flags. Its own flags are read here; the rest go to mlx_lm.server's
+main(), which hooks.install() has pointed at KVarN caches and our handler."""
+
+import argparse
+import os
+import sys
+
+import mlx_lm.server as mlx_server
+
+from .. import budget
+from ..cli_support import flag
+from ..config import DEFAULT_PRESET, FP16, PRESETS, preset_error
+from . import hooks
+from .handler import APIHandler
+
+API_KEY_ENV = "KVARN_API_KEY"
+
+
+def arg_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m kvarn_mlx.server", add_help=False,
+        description="mlx-lm's server (all of mlx_lm.server's flags work) on KVarN KV caches.")
+    g = p.add_argument_group("KVarN")
+    g.add_argument("--kv-preset", default=DEFAULT_PRESET,
+                   help=f"KVarN preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}, any kXvY_gG[_auto]; "
+                        f"or {FP16}: "
+                        "mlx-lm's own cache (then mlx-lm's --kv-bits applies)")
+    g.add_argument("--kv-sink", type=int, default=None,
+                   help="leading tokens kept unquantized (default: the preset's, one tile)")
+    g.add_argument("--max-kv-bytes", type=size_flag, default=None, metavar="SIZE",
+                   help="the most KV bytes one request's cache may hold (e.g. 2GB): a longer prompt is refused, "
+                        "and a request stops (finish_reason length) before its cache could grow past it")
+    g.add_argument("--allowed-hosts", type=lambda x: [h.strip().lower() for h in x.split(",") if h.strip()],
+                   default=[], help="Host names this server answers to besides localhost and its own "
+                                    "address, comma-separated ('*': any)")
+    g.add_argument("--allowed-origins", type=lambda x: [o.strip().lower().rstrip("/") for o in x.split(",")],
+                   default=[], help="web page origins allowed to send requests, comma-separated "
+                                    "('*': any; default: none besides this server's own)")
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV})")
+    return p
+
+
+def size_flag(text):
+    try:
+        return budget.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def main(argv=None, handler=APIHandler, parser=None):
+    """handler: an APIHandler subclass to serve with (apps/chat's adds its page);
+    parser: arg_parser() with more flags, which reach the handler as its settings."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = parser or arg_parser()
+    ours, rest = parser.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        parser.print_help()
+        print("\nmlx_lm.server's flags:\n")
+    elif preset_error(ours.kv_preset):
+        parser.error(f"--kv-preset: {preset_error(ours.kv_preset)}")
+    elif ours.kv_sink is not None and ours.kv_sink < 0:
+        parser.error(f"--kv-sink {ours.kv_sink}: must be >= 0")
+    elif ours.kv_preset != FP16 and any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest):
+        parser.error("--kv-bits is mlx-lm's own quantized cache (one request at a time); this server "
+                     f"quantizes with KVarN: use --kv-preset (or --kv-preset {FP16} --kv-bits N for mlx-lm's)")
+    if "-h" not in rest and "--help" not in rest:
+        ours.model = flag(rest, "--model")  # as given: what /v1/models lists
+        rest = resolve_model(rest)
+    # mlx-lm's --allowed-origins sets its CORS headers: the same list as ours.
+    rest += ["--allowed-origins", ",".join(ours.allowed_origins)]
+    hooks.install(ours, handler)
+    sys.argv = [parser.prog, *rest]
+    mlx_server.main()
+
+
+def resolve_model(rest):
+    """mlx-lm's argv with --model as a folder when it names an embedded model
+    (embedded:<key>, or the key alone) or is missing (the default one)."""
+    from .. import loader
+
+    for i, a in enumerate(rest):
+        if a == "--model" and i + 1 < len(rest) or a.startswith("--model="):
+            spec = rest[i + 1] if a == "--model" else a.split("=", 1)[1]
+            try:
+                path = loader.embedded_path(spec)
+            except loader.ModelLoadError as e:
+                sys.exit(f"error: --model: {e}")
+            if path is None:
+                return rest
+            return [*rest[:i], "--model", str(path), *rest[i + (2 if a == "--model" else 1):]]
+    return [*rest, "--model", str(loader.embedded_path(None))]

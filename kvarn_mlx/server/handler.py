@@ -1,0 +1,154 @@
+"""The server's request handler: mlx-lm's (its completions, streaming, tools,
+logprobs), behind kvarn_mlx.guard's rules, with every completion request's
+fields checked before it is queued, the model names and list of
+served_models, and GET /v1/kv_stats.
+
+Its collaborators come in as arguments, as mlx-lm passes its generator:
+`lambda *a, **k: APIHandler(generator, stats, settings, *a, **k)`.
+"""
+
+import io
+import json
+import logging
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import mlx_lm.server as mlx_server
+
+from .. import guard
+from . import http_io, request_fields, served_models
+
+STATS_PATH = "/v1/kv_stats"
+MODELS_PATH = "/v1/models"
+COMPLETIONS = {"/v1/completions": False, "/v1/chat/completions": True, "/chat/completions": True}  # path: chat?
+
+
+class APIHandler(mlx_server.APIHandler):
+    """mlx-lm's request handler behind kvarn_mlx.guard's checks, plus the model
+    list and the stats endpoint. stats: the server's stats.KVStats; settings:
+    its flags (cli.arg_parser's: allowed_hosts, allowed_origins, api_key,
+    kv_preset, kv_sink, model as given, started)."""
+
+    reply_model = None  # the model a reply names: as the request did
+
+    def __init__(self, response_generator, stats, settings, *args, **kwargs):
+        self.stats, self.settings = stats, settings
+        super().__init__(response_generator, *args, **kwargs)  # handles the request
+
+    def refused(self, post, public=False):
+        """Answer and return True if the request breaks a rule of kvarn_mlx.guard."""
+        try:
+            http_io.check_request(self, self.settings, post, public)
+        except guard.Refused as e:
+            http_io.send_error(self, e)
+            return True
+        return False
+
+    def send_json(self, data, status=200):
+        http_io.send_json(self, data, status, self.settings.allowed_origins)
+
+    # -- completions (POST) --------------------------------------------------------------
+
+    def do_POST(self):
+        if self.refused(post=True):
+            return
+        try:
+            body = http_io.read_body(self)
+            if self.path in COMPLETIONS:
+                body = self.check_completion(body, chat=COMPLETIONS[self.path])
+        except guard.Refused as e:
+            return http_io.send_error(self, e)
+        rfile, self.rfile = self.rfile, io.BytesIO(body)  # mlx-lm reads the body again
+        self.headers.replace_header("Content-Length", str(len(body)))  # check_completion rewrote it
+        try:
+            super().do_POST()
+        finally:
+            self.rfile = rfile
+
+    def check_completion(self, body, chat):
+        """The completion request's body, parsed (http_io.parse_json), its fields
+        checked (request_fields) and its "model" the name mlx-lm loads:
+        "default_model" for the served model (served_models.model_for)."""
+        data = request_fields.check(http_io.parse_json(body), chat=chat)
+        self.reply_model = data.get("model") or self.served_model()
+        data["model"] = served_models.model_for(data.get("model"), self.served_model(), self.model_names())
+        return json.dumps(data).encode()
+
+    def handle_completion(self, request, stop_words):
+        self.response_generator = PromptRecorder(self.response_generator, self.stats, self.request_id)
+        try:
+            super().handle_completion(request, stop_words)
+        except (BrokenPipeError, ConnectionResetError):  # mlx-lm stops the generation; no traceback
+            logging.info(f"{self.request_id}: the client left before the reply was sent")
+            self.close_connection = True
+
+    def generate_response(self, *args, **kwargs):
+        return self._named(super().generate_response(*args, **kwargs))
+
+    def completion_usage_response(self, *args, **kwargs):
+        return self._named(super().completion_usage_response(*args, **kwargs))
+
+    def _named(self, response):
+        """A reply naming the model as the request did (mlx-lm's: "default_model")."""
+        if self.reply_model is not None:
+            response["model"] = self.reply_model
+        return response
+
+    # -- models ---------------------------------------------------------------------------
+
+    def model_spec(self):
+        """--model as given (None: the embedded default)."""
+        return getattr(self.settings, "model", self.response_generator.cli_args.model)
+
+    def served_model(self):
+        """The id /v1/models lists for the model this server serves."""
+        return served_models.served_id(self.model_spec())
+
+    def model_names(self):
+        """Every name a request may give the served model."""
+        return served_models.names(self.model_spec(), self.response_generator.cli_args.model)
+
+    def send_models(self, model_id):
+        """/v1/models (model_id ""), or /v1/models/{model_id}."""
+        started = getattr(self.settings, "started", self.created)
+        try:
+            if not model_id:
+                return self.send_json(served_models.model_list(self.served_model(), started))
+            self.send_json(served_models.find_model(model_id, self.served_model(), started))
+        except guard.Refused as e:
+            http_io.send_error(self, e)
+
+    # -- GET, OPTIONS ---------------------------------------------------------------------
+
+    def do_OPTIONS(self):
+        if not self.refused(post=False):
+            super().do_OPTIONS()
+
+    def do_GET(self):
+        if self.refused(post=False):
+            return
+        url = urlsplit(self.path)
+        if url.path == MODELS_PATH or url.path.startswith(MODELS_PATH + "/"):
+            return self.send_models(unquote(url.path[len(MODELS_PATH) + 1:]))
+        if url.path != STATS_PATH:
+            return super().do_GET()
+        request = parse_qs(url.query).get("request", [None])[-1]
+        stats = self.stats.report(request)
+        stats.update(kv_preset=self.settings.kv_preset, kv_sink=self.settings.kv_sink,
+                     model=self.response_generator.cli_args.model)
+        self.send_json(stats)
+
+
+class PromptRecorder:
+    """The response generator as one request's handler sees it: remembers the
+    request's prompt tokens under its completion id (KVStats.request_figures)."""
+
+    def __init__(self, generator, stats, request):
+        self._generator, self._stats, self._request = generator, stats, request
+
+    def __getattr__(self, name):
+        return getattr(self._generator, name)
+
+    def generate(self, *args, **kwargs):
+        ctx, response = self._generator.generate(*args, **kwargs)
+        self._stats.remember(self._request, ctx.prompt)
+        return ctx, response
