@@ -78,8 +78,8 @@ def loadable(name):
     if not _REPO_ID.match(name):
         return False
     try:
-        from huggingface_hub import try_to_load_from_cache
-        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+        from huggingface_hub import constants, try_to_load_from_cache
+        return isinstance(try_to_load_from_cache(name, "config.json", cache_dir=constants.HF_HUB_CACHE), str)
     except Exception:  # noqa: BLE001 (a cache it cannot read holds nothing loadable)
         return False
 
@@ -90,12 +90,13 @@ def cached_models():
     None listed when the cache folder does not exist or cannot be read."""
     from huggingface_hub import constants, scan_cache_dir
 
-    if not os.path.isdir(constants.HF_HUB_CACHE):
+    cache = constants.HF_HUB_CACHE  # $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub
+    if not os.path.isdir(cache):
         return []
     try:
-        repos = scan_cache_dir().repos
+        repos = scan_cache_dir(cache).repos
     except Exception as e:  # noqa: BLE001 (one log line, not a failed list)
-        logging.warning(f"/v1/models: cannot read the Hugging Face cache {constants.HF_HUB_CACHE}: {e}")
+        logging.warning(f"/v1/models: cannot read the Hugging Face cache {cache}: {e}")
         return []
     out = []
     for repo in repos:
