@@ -1,10 +1,13 @@
-"""Convert a GGUF file (llama or gemma3 architecture) into an MLX model folder.
+"""Convert a GGUF file (llama, gemma3 or qwen2 architecture) into an MLX model
+folder.
 
 `mx.load` reads GGUF directly: Q4_0, Q4_1 and Q8_0 tensors come back as MLX
-affine group-32 (weight, scales, biases) triples, so dequantizing them with
-`mx.dequantize` is exact. It cannot read K-quants or Q5_0; files holding them
-are read with the `gguf` package (llama.cpp's Python reader), which
-dequantizes every type.
+affine group-32 (weight, scales, biases) triples, which `mx.dequantize` turns
+back into the stored values (rounded to float16, the scales' type). Other
+types it dequantizes itself to float16, and not always right: MLX 0.32.4's
+Q4_K gives errors as large as the weights (Qwen2.5-Coder's attn_q). Files with
+such tensors are read with the `gguf` package (llama.cpp's Python reader),
+which dequantizes every type as llama.cpp does.
 
 The tokenizer is rebuilt from the GGUF metadata with the `tokenizers` library
 (transformers' own GGUF tokenizer path imports torch).
@@ -17,21 +20,26 @@ import mlx.core as mx
 import numpy as np
 
 # Bump when the conversion output changes, so cached folders are redone.
-CONVERTER_VERSION = 1
+# 2: K-quant and Q5_0 files always through the gguf package (MLX's Q4_K is wrong).
+CONVERTER_VERSION = 2
+
+_LLAMA_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 
 # GGUF tensor name -> mlx-lm parameter name, per layer and per model type.
 _LAYER_NAMES = {
-    "llama": {
-        "attn_norm": "input_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_norm": "post_attention_layernorm",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-    },
+    "llama": _LLAMA_LAYER,
+    # Same layout; q/k/v carry biases (found by name in model_weights).
+    "qwen2": _LLAMA_LAYER,
     "gemma3_text": {
         "attn_norm": "input_layernorm",
         "attn_q": "self_attn.q_proj",
@@ -76,7 +84,11 @@ def read(path):
     """
     try:
         tensors, metadata = mx.load(str(path), return_metadata=True)
-        return tensors, {k: _value(v) for k, v in metadata.items()}
+        # float16 is either an F16 tensor or one mx.load dequantized itself
+        # (K-quants, Q5_0), which it may get wrong: the gguf package reads both.
+        if not any(t.dtype == mx.float16 for t in tensors.values()):
+            return tensors, {k: _value(v) for k, v in metadata.items()}
+        mlx_error = "K-quant, Q5_0 or F16 tensors"
     except Exception as e:
         mlx_error = e
     try:
@@ -84,7 +96,7 @@ def read(path):
     except ImportError:
         raise ValueError(
             f"mx.load cannot read {path} ({mlx_error}; it reads only "
-            "F32/F16/Q4_0/Q4_1/Q8_0 tensors). Install the gguf package for the "
+            "F32/Q4_0/Q4_1/Q8_0 tensors reliably). Install the gguf package for the "
             "other types: pip install 'kvarn-mlx[gguf]'"
         ) from None
     try:
@@ -199,7 +211,36 @@ def gemma3_config(metadata, tied):
     return config
 
 
-_CONFIGS = {"llama": llama_config, "gemma3": gemma3_config}
+def qwen2_config(metadata, tied):
+    """An HF/mlx-lm qwen2 config.json dict from GGUF metadata."""
+    arch = metadata.get("general.architecture")
+    if arch != "qwen2":
+        raise ValueError(f"only qwen2 GGUF files are supported here, got {arch!r}")
+    scaling = metadata.get("qwen2.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ValueError(f"rope scaling {scaling!r} is not supported")
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        **_common_config(metadata, arch, tied),
+        "rope_theta": _f32(metadata.get("qwen2.rope.freq_base", 1e6)),
+        "hidden_act": "silu",
+    }
+    # mlx-lm's qwen2 derives head_dim from hidden_size / heads.
+    if config["head_dim"] * config["num_attention_heads"] != config["hidden_size"]:
+        raise ValueError("qwen2 GGUF with head_dim != hidden_size / heads is not supported")
+    # Qwen's instruct models end a turn with <|im_end|> (the GGUF's eos) and
+    # a completion with <|endoftext|>; stop at either, as llama.cpp does.
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    eos = config.get("eos_token_id")
+    if "<|endoftext|>" in tokens and eos is not None:
+        end = tokens.index("<|endoftext|>")
+        if end != eos:
+            config["eos_token_id"] = [eos, end]
+    return config
+
+
+_CONFIGS = {"llama": llama_config, "gemma3": gemma3_config, "qwen2": qwen2_config}
 
 
 def model_config(metadata, tied):
@@ -245,7 +286,13 @@ def _gemma3_tensor(part, w, config):
     return w
 
 
-_TENSOR_FIXES = {"llama": _llama_tensor, "gemma3_text": _gemma3_tensor}
+def _qwen2_tensor(part, w, config):
+    # llama.cpp converts qwen2 q/k rows unpermuted (its NEOX RoPE is mlx-lm's
+    # split-halves one): nothing to undo.
+    return w
+
+
+_TENSOR_FIXES = {"llama": _llama_tensor, "gemma3_text": _gemma3_tensor, "qwen2": _qwen2_tensor}
 
 
 def model_weights(tensors, config, dtype=mx.float32):
@@ -253,6 +300,8 @@ def model_weights(tensors, config, dtype=mx.float32):
     model_type = config["model_type"]
     layer_names, fix = _LAYER_NAMES[model_type], _TENSOR_FIXES[model_type]
     weights = {}
+    # "<name>.bias" is a float bias (qwen2's q/k/v); "<name>.scales" and
+    # "<name>.biases" belong to a quantized "<name>.weight".
     bases = {k.rsplit(".", 1)[0] for k in tensors}
     for base in sorted(bases):
         if base.startswith("blk."):
@@ -266,6 +315,8 @@ def model_weights(tensors, config, dtype=mx.float32):
             raise ValueError(f"unexpected GGUF tensor {base}")
         w = fix(part, _dequantize(tensors, base), config)
         weights[f"{name}.weight"] = w.astype(dtype)
+        if f"{base}.bias" in tensors:
+            weights[f"{name}.bias"] = tensors[f"{base}.bias"].astype(dtype)
     return weights
 
 
@@ -282,9 +333,15 @@ def _special_tokens(metadata, tokens):
     ]
 
 
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
 def _byte_level_bpe(metadata):
     """llama.cpp "gpt2" vocabularies: byte-level BPE with merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     tokens = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
@@ -303,6 +360,17 @@ def _byte_level_bpe(metadata):
         # HF SmolLM2's tokenizer.json: Sequence[Digits(individual), ByteLevel].
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    elif pre == "qwen2":
+        # llama.cpp "qwen2": digits one by one, letters with one leading
+        # non-letter, punctuation runs, then byte-level without its own regex.
+        # This is HF Qwen2's tokenizer.json (with its NFC normalizer).
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
         )
     elif pre in ("gpt2", "default"):
         tok.pre_tokenizer = byte_level
@@ -404,7 +472,7 @@ def build_tokenizer(metadata):
 
 def convert(gguf_path, out_dir, dtype="float32"):
     """Write an mlx-lm loadable folder (config.json, model.safetensors,
-    tokenizer files) for a llama or gemma3 GGUF file. `out_dir` must exist.
+    tokenizer files) for a llama, gemma3 or qwen2 GGUF file. `out_dir` must exist.
     Every weight is dequantized: on CPU, MLX's quantized matmul is far slower
     than float32 BLAS for prompts."""
     out_dir = Path(out_dir)
