@@ -46,7 +46,7 @@ def stamp(cache):
 PER_STEP = 6
 # A cache's turn comes at most this many updates after its tile completed (the
 # tail holds the tile and the tokens after it meanwhile, less than two tiles).
-MAX_WAIT = 8
+MAX_WAIT = 32
 
 
 def register(cache):

@@ -217,8 +217,7 @@ def packed_attention_metal(q, view: StepView, scale, causal=True):
     qf = q.astype(mx.float32)
     rot = view.rotate_k
     if isinstance(rot, mx.array):  # per kv head
-        qr = qf.reshape(B, Hkv, R, D)
-        qr = mx.where(rot.reshape(1, Hkv, 1, 1), mx.hadamard_transform(qr), qr)
+        qr = mx.where(_query_flags(rot, q.shape), mx.hadamard_transform(qf), qf)
     else:
         qr = quant.rotate(qf) if rot else qf
     rc = _rows_per_group(R, D, G)
@@ -260,6 +259,24 @@ def packed_attention_metal(q, view: StepView, scale, causal=True):
 _SPLIT_INPUTS = ["q", "qr", "sink_k", "sink_v", "k_words", "k_a", "k_b", "k_t", "v_words", "v_a", "v_b", "v_c",
                  "tail_k", "tail_v", "params", "scale"]
 _constants = {}
+
+
+_flags = {}
+
+
+def _query_flags(rot, shape):
+    """A layer's per-kv-head key rotation flags rot [H] spread over queries of
+    this shape [B, Hq, L, D]; built once per flag array (lazily: the first step
+    computes it, later steps read it)."""
+    key = (id(rot), tuple(shape))
+    hit = _flags.get(key)
+    if hit is None or hit[0] is not rot:
+        if len(_flags) > 4096:  # flags of caches long gone
+            _flags.clear()
+        B, Hq, L, D = shape
+        flags = mx.broadcast_to(mx.repeat(rot, Hq // rot.size).reshape(1, Hq, 1, 1), shape)
+        hit = _flags[key] = (rot, flags)
+    return hit[1]
 
 
 def _placeholder(dtype):
