@@ -22,10 +22,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from . import budget, memory, prompt_cache
+from . import profile as profiles
 from .cli_support import INTERRUPTED, CtrlC, load_error, model_context
 from .cache import KVarNCache
-from .integration import make_cache
-from .config import DEFAULT_PRESET, FP16, PRESETS, preset_error
+from .integration import make_cache, profile_mix
+from .config import DEFAULT_PRESET, FP16, PRESETS, get_preset, preset_error
 from .prompt_cache import PromptCacheError
 
 DEFAULT_PROMPT = "hello"
@@ -52,6 +53,14 @@ def setup_arg_parser():
     p.add_argument("--kv-sink", type=int, default=None, help="Leading tokens kept in full precision (default: one tile)")
     p.add_argument("--kv-fp16-layers", default=None, metavar="I,J,...",
                    help="Layers left in mlx-lm's plain cache whatever --kv-preset, e.g. 0,-1 (negative: from the end)")
+    p.add_argument("--kv-profile", default=None, metavar="PROFILE.json",
+                   help="Per-layer key and value widths chosen from this model's calibration profile "
+                        "(python -m kvarn_mlx.calibrate), instead of --kv-preset's")
+    p.add_argument("--kv-bytes-like", default=None, metavar="PRESET",
+                   help=f"With --kv-profile: at most this preset's bytes, the least predicted KL "
+                        f"(default {DEFAULT_PRESET})")
+    p.add_argument("--kv-max-kl", type=float, default=None, metavar="KL",
+                   help="With --kv-profile: the fewest bytes whose predicted KL (nats) is at most this")
     p.add_argument("--compare", action="store_true", help="Also run the prompt with mlx-lm's plain cache and compare")
     p.add_argument("--prompt-cache-file", default=None,
                    help="Reuse the cache saved in this file; if it does not exist, save the cache there "
@@ -76,6 +85,7 @@ def check_args(args):
     if preset_error(args.kv_preset):
         raise UsageError(f"--kv-preset: {preset_error(args.kv_preset)}")
     fp16_layers(args)
+    kv_profile(args)
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens {args.max_tokens}: generate at least 1 token")
     if args.prefill_step_size < 1:
@@ -96,6 +106,35 @@ def check_args(args):
             budget.parse_size(args.max_kv_bytes)
         except ValueError as e:
             raise UsageError(f"--max-kv-bytes: {e}") from None
+
+
+def kv_profile(args):
+    """(profile path, bytes_like, max_kl) for make_cache, the profile's structure
+    checked (no model needed), or (None, None, None) without --kv-profile."""
+    if args.kv_profile is None:
+        if args.kv_bytes_like is not None or args.kv_max_kl is not None:
+            raise UsageError("--kv-bytes-like and --kv-max-kl choose widths from a calibration profile: "
+                             "pass --kv-profile PROFILE.json too")
+        return None, None, None
+    if args.kv_fp16_layers:
+        raise UsageError("--kv-fp16-layers and --kv-profile do not combine: the profile chooses every layer's widths")
+    if args.kv_bytes_like is not None and args.kv_max_kl is not None:
+        raise UsageError("--kv-bytes-like and --kv-max-kl: give one (a preset's bytes, or a KL target)")
+    if args.kv_max_kl is not None and not (math.isfinite(args.kv_max_kl) and args.kv_max_kl > 0):
+        raise UsageError(f"--kv-max-kl {args.kv_max_kl}: give a KL in nats > 0, e.g. 0.005")
+    bytes_like = args.kv_bytes_like
+    if args.kv_max_kl is None and bytes_like is None:
+        bytes_like = DEFAULT_PRESET
+    if bytes_like is not None:
+        try:
+            get_preset(bytes_like)
+        except ValueError as e:
+            raise UsageError(f"--kv-bytes-like: {e}") from None
+    try:
+        profiles.read(args.kv_profile)
+    except profiles.ProfileError as e:
+        raise UsageError(f"--kv-profile: {e}") from None
+    return args.kv_profile, bytes_like, args.kv_max_kl
 
 
 def fp16_layers(args):
@@ -378,13 +417,24 @@ def generate(args):
         cache, _ = prompt_cache.load(cache_file, identity)
         name = f"loaded from {cache_file.name}"
     else:
-        try:
-            cache = make_cache(model, args.kv_preset, sink=args.kv_sink, fp16_layers=fp16_layers(args))
-        except ValueError as e:
-            if not args.kv_fp16_layers:
-                raise
-            raise UsageError(f"--kv-fp16-layers {args.kv_fp16_layers}: {e}") from None  # a layer the model lacks
-        name = args.kv_preset + (f", layers {args.kv_fp16_layers} plain" if args.kv_fp16_layers else "")
+        profile, bytes_like, max_kl = kv_profile(args)
+        if profile is not None:
+            try:
+                mix = profile_mix(model, profile, bytes_like, max_kl)[0]
+                cache = make_cache(model, profile=profile, bytes_like=bytes_like, max_kl=max_kl, sink=args.kv_sink)
+            except ValueError as e:
+                raise UsageError(f"--kv-profile: {e}") from None
+            name = f"per-layer widths from {profile}"
+            if args.verbose:
+                print(mix.describe(), file=sys.stderr)
+        else:
+            try:
+                cache = make_cache(model, args.kv_preset, sink=args.kv_sink, fp16_layers=fp16_layers(args))
+            except ValueError as e:
+                if not args.kv_fp16_layers:
+                    raise
+                raise UsageError(f"--kv-fp16-layers {args.kv_fp16_layers}: {e}") from None  # a layer the model lacks
+            name = args.kv_preset + (f", layers {args.kv_fp16_layers} plain" if args.kv_fp16_layers else "")
     held = getattr(cache[0], "offset", 0) if cache else 0
     max_tokens = context_limit(model, args, held, len(prompt_ids))
 

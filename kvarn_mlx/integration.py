@@ -10,6 +10,8 @@ mlx-lm's own function, untouched.
 import contextlib
 import logging
 import sys
+import weakref
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models import base
@@ -96,10 +98,10 @@ def _members(cache):
     return cache.caches if isinstance(cache, CacheList) else (cache,)
 
 
-def _head_dims(model):
-    """{(layer, member): (key head dim, value head dim)} of every plain KVCache of
-    the model's prompt cache, read after one token through the model (lazily:
-    nothing is computed); None for a model that does not run that way."""
+def kv_shapes(model):
+    """{(layer, member): (kv heads, key head dim, value head dim, dtype)} of every
+    plain KVCache of the model's prompt cache, read after one token through the
+    model (lazily: nothing is computed); None for a model that does not run that way."""
     probe = mlx_cache.make_prompt_cache(model)
     observers = _observers[:]
     _observers.clear()  # the probe's attention calls are nobody's observations
@@ -109,23 +111,34 @@ def _head_dims(model):
         return None
     finally:
         _observers[:] = observers
-    return {(i, j): (m.keys.shape[-1], m.values.shape[-1])
+    return {(i, j): (m.keys.shape[1], m.keys.shape[-1], m.values.shape[-1], m.keys.dtype)
             for i, c in enumerate(probe) for j, m in enumerate(_members(c))
             if type(m) is KVCache and m.keys is not None}
 
 
-def make_cache(model, preset=DEFAULT_PRESET, fp16_layers=(), **overrides):
+def make_cache(model, preset=DEFAULT_PRESET, fp16_layers=(), profile=None, bytes_like=None, max_kl=None,
+               **overrides):
     """The model's prompt cache with plain KVCache layers replaced by KVarNCache.
 
     preset: a preset name, a KVarNConfig, "fp16" (plain cache), or a list with
     one of those (or None, meaning plain) per layer. fp16_layers: layer indices
     (negative ones count from the end, e.g. (0, -1)) left as mlx-lm's plain
-    cache whatever the preset. overrides set config fields
+    cache whatever the preset. profile: a calibration profile of this model
+    (python -m kvarn_mlx.calibrate) from which each layer gets its own key and
+    value widths (mix.py), with bytes_like (a preset: at most its bytes, the
+    least predicted KL) or max_kl (the fewest bytes predicting at most that KL);
+    it replaces preset. overrides set config fields
     (e.g. sink=0), for names and configs alike. KVCaches inside a CacheList are
     replaced too; other cache kinds (sliding-window, recurrent) are left as they
     are, and so is a KVCache whose head dims KVarN cannot hold (cache.cannot_hold;
     said once). Also turns on the packed-attention patch.
     """
+    if profile is not None:
+        if fp16_layers:
+            raise ValueError("fp16_layers and a profile do not combine: the profile chooses every layer's widths")
+        preset = profile_mix(model, profile, bytes_like, max_kl)[1]
+    elif bytes_like is not None or max_kl is not None:
+        raise ValueError("bytes_like and max_kl choose widths from a calibration profile: pass profile= too")
     caches = mlx_cache.make_prompt_cache(model)
     per_layer = list(preset) if isinstance(preset, (list, tuple)) else [preset] * len(caches)
     if len(per_layer) != len(caches):
@@ -135,7 +148,7 @@ def make_cache(model, preset=DEFAULT_PRESET, fp16_layers=(), **overrides):
             raise ValueError(f"fp16 layer {i} does not exist: the model has {len(caches)} layers "
                              f"(0..{len(caches) - 1}, or -1..-{len(caches)} from the end)")
         per_layer[i] = None
-    dims = _head_dims(model) or {}
+    dims = kv_shapes(model) or {}
     skipped, left_plain, n_kv = set(), {}, 0
     for i, (c, p) in enumerate(zip(caches, per_layer)):
         if p is None or p == FP16:
@@ -146,7 +159,7 @@ def make_cache(model, preset=DEFAULT_PRESET, fp16_layers=(), **overrides):
                 skipped.add(type(m).__name__)
                 continue
             config = get_preset(p, **overrides)
-            problem = cannot_hold(config, *dims[i, j]) if (i, j) in dims else None
+            problem = cannot_hold(config, *dims[i, j][1:3]) if (i, j) in dims else None
             n_kv += 1
             if problem:
                 left_plain[problem] = left_plain.get(problem, 0) + 1
@@ -164,3 +177,42 @@ def make_cache(model, preset=DEFAULT_PRESET, fp16_layers=(), **overrides):
     patch()
     return caches
 
+
+
+def quantizable_layers(model):
+    """(layers, shapes): the layers whose cache is a plain KVCache with keys and
+    values of one head dim (those a calibration profile measures), and
+    {layer: (kv heads, key dim, value dim, dtype)} of each."""
+    shapes = {i: d for (i, j), d in (kv_shapes(model) or {}).items() if j == 0}
+    caches = mlx_cache.make_prompt_cache(model)
+    layers = [i for i, c in enumerate(caches) if type(c) is KVCache and i in shapes and shapes[i][1] == shapes[i][2]]
+    return layers, shapes
+
+
+_mixes = {}  # (id(model), profile file, its mtime and size, bytes_like, max_kl) -> (model ref, Mix, configs)
+
+
+def profile_mix(model, profile, bytes_like=None, max_kl=None):
+    """(Mix, per-layer configs for make_cache) of this model from a calibration
+    profile (a path). Refuses, before any cache is built, a profile of another
+    model, one missing a layer make_cache quantizes, or with a width KVarN does
+    not support (profile.ProfileError). Computed once per model and file."""
+    from . import mix as mixes
+    from . import profile as profiles
+
+    path = Path(profile).expanduser()
+    try:
+        st = path.stat()
+    except OSError:
+        raise profiles.ProfileError(f"no profile file at {path}; make one with python -m kvarn_mlx.calibrate "
+                                    f"--out {path}")
+    key = (id(model), str(path.resolve()), st.st_mtime_ns, st.st_size, bytes_like, max_kl)
+    hit = _mixes.get(key)
+    if hit is not None and hit[0]() is model:
+        return hit[1], hit[2]
+    p = profiles.read(path)
+    layers, shapes = quantizable_layers(model)
+    mix, configs = mixes.from_profile(model, p, layers, shapes, bytes_like, max_kl, where=str(path))
+    per_layer = [configs.get(i) for i in range(len(mlx_cache.make_prompt_cache(model)))]
+    _mixes[key] = (weakref.ref(model), mix, per_layer)
+    return mix, per_layer

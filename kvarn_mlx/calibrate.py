@@ -1,0 +1,418 @@
+"""python -m kvarn_mlx.calibrate: measure how much each layer of a model minds
+KVarN at each key and value width, and write it as a profile (profile.py) that
+make_cache(model, profile=...) turns into per-layer widths.
+
+    python -m kvarn_mlx.calibrate --model M --out PROFILE.json
+
+For each layer make_cache quantizes, each side (keys, values) and each width
+(2, 3, 4, 5, 6, 8), the mean KL of the next-token distribution to the plain
+cache's, teacher-forced over text that ships with Python (the second half of
+CPython's pydoc_data/topics.py by default, so the evals' text, its start,
+stays held apart), when only that layer's keys (or only its values) are
+quantized, the "auto" key rotation decided as the auto presets decide it.
+
+What makes it cheap (a real measurement all the same):
+- one plain pass records each layer's inputs (and the keys and values it
+  caches) per chunk, and the reference log-probabilities;
+- quantizing layer l changes nothing before it: a measurement replays the
+  recorded inputs of layer l and runs only layers l.. (the model's own layer
+  modules, masks and caches), and chunks that read no quantized tile yet run
+  layer l alone (its cache, and the key-rotation choice its queries make);
+- the widths and sides of one layer run as the rows of one batch;
+- KL is measured on the last tokens only (--measure), after the text before
+  them has filled the quantized tiles.
+A model whose layers cannot be replayed this way (checked once against the
+plain pass) is measured with whole passes, one per layer, side and width.
+"""
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import sys
+import time
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from . import profile as profiles
+from .batch_cache import BatchKVarNCache
+from .cache import KVarNCache, cannot_hold
+from .config import DEFAULT_PRESET, SUPPORTED_BITS, get_preset
+from .eval.runner import Progress, load_text, log_softmax
+from .integration import make_cache, quantizable_layers
+
+log = logging.getLogger("kvarn_mlx")
+
+WIDTHS = SUPPORTED_BITS
+TOKENS = 1024
+MEASURE = 512
+CHUNK = 256
+REPLAY_TOLERANCE = 1e-5  # KL of a replayed plain layer to the plain pass (float rounding only)
+
+
+class OneSideCache(KVarNCache):
+    """A KVarNCache whose attention reads only one side quantized: side "k" keys
+    (values in full precision), side "v" values. Both sides go through the
+    cache as usual (tiles, the "auto" key-rotation choice), so the quantized
+    side is exactly what a KVarNCache of this config holds."""
+
+    def __init__(self, config, side):
+        super().__init__(config)
+        self.side = side
+        self.exact = None  # keys or values of every token, full precision
+
+    def update_and_fetch(self, keys, values):
+        x = values if self.side == "k" else keys
+        self.exact = x if self.exact is None else mx.concatenate([self.exact, x], axis=2)
+        return super().update_and_fetch(keys, values)
+
+    def step_view(self):
+        s = super().step_view()
+        if s.tiles is None or s.n_tiles == 0:
+            return s
+        k, v = self.dequantized(s)
+        n, S = k.shape[2], s.sink_k.shape[2]
+        if self.side == "k":
+            v = self.exact[..., :n, :]
+        else:
+            k = self.exact[..., :n, :]
+        return replace(s, tiles=None, n_tiles=0, recent_k=k[..., S:, :], recent_v=v[..., S:, :], later=None)
+
+
+def variant_config(base, side, width):
+    """The config measuring `side` at `width`: the base's settings, the other side
+    at 8 bits (read in full precision anyway; 8 fits every head dim)."""
+    if side == "k":
+        return replace(base, k_bits=width, v_bits=8)
+    return replace(base, k_bits=8, v_bits=width, rotate_keys=False)
+
+
+# -- the plain pass, recorded ----------------------------------------------------------
+
+_SLOT = object()  # where a recorded layer call passed its cache
+
+
+class _Layer:
+    """A model layer standing in for the original: calls fn(original, args, kwargs);
+    other attributes (e.g. use_sliding, read by the model's loop) are the original's."""
+
+    def __init__(self, inner, fn):
+        self.inner, self.fn = inner, fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self.inner, args, kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _layer_list(model):
+    """The list the model's loop reads its layers from: model.layers, or the
+    inner model's list when model.layers is a fresh slice of it (pipelined models)."""
+    layers = model.layers
+    inner = getattr(getattr(model, "model", None), "layers", None)
+    if isinstance(inner, list) and len(inner) == len(layers) and all(a is b for a, b in zip(inner, layers)):
+        return inner
+    return layers
+
+
+@contextlib.contextmanager
+def _layers_replaced(model, fns):
+    """Within the block, model.layers[j] calls fns[j](original, args, kwargs)."""
+    layers = _layer_list(model)
+    originals = list(layers)
+    try:
+        for j, fn in fns.items():
+            layers[j] = _Layer(originals[j], fn)
+        yield originals
+    finally:
+        layers[:] = originals
+
+
+def _chunks(n, chunk):
+    return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+
+
+class Recording:
+    """The plain pass over ids in chunks: per layer and chunk the layer's call
+    (its cache marked), its input for the layers kept (`keep`), the keys and
+    values it cached in the chunks before position `first_read`, and the
+    reference log-probs of the measured chunks."""
+
+    def __init__(self, model, ids, chunk, measured, keep, first_read):
+        self.ids, self.chunks, self.measured = ids, _chunks(len(ids), chunk), measured
+        n = len(model.layers)
+        self.calls = [[None] * len(self.chunks) for _ in range(n)]
+        self.inputs = [[None] * len(self.chunks) for _ in range(n)]
+        self.kv = [[None] * len(self.chunks) for _ in range(n)]
+        self.ref = {}
+        caches = make_prompt_cache(model)
+        self.replayable = len(caches) == n and all(type(c) in (KVCache, RotatingKVCache) for c in caches)
+        at = [0]
+
+        def record(j):
+            def fn(inner, args, kwargs):
+                c = caches[j]
+                a = tuple(_SLOT if x is c else x for x in args)
+                k = {name: _SLOT if v is c else v for name, v in kwargs.items()}
+                self.replayable &= bool(args) and isinstance(args[0], mx.array) and (_SLOT in a or _SLOT in k.values())
+                if j in keep and args:
+                    self.inputs[j][at[0]] = args[0]
+                self.calls[j][at[0]] = ((None,) + a[1:] if a else a, k)
+                return inner(*args, **kwargs)
+            return fn
+
+        for j, c in enumerate(caches):
+            update = c.update_and_fetch
+
+            def recorded_update(keys, values, j=j, update=update):
+                if self.chunks[at[0]][0] < first_read:
+                    self.kv[j][at[0]] = (keys, values)
+                return update(keys, values)
+            c.update_and_fetch = recorded_update
+        x = mx.array(ids)[None]
+        bar = Progress(len(self.chunks), "plain pass")
+        with _layers_replaced(model, {j: record(j) for j in range(n)}):
+            for i, (s, e) in enumerate(self.chunks):
+                at[0] = i
+                logits = model(x[:, s:e], cache=caches)
+                if i in measured:
+                    self.ref[i] = log_softmax(logits[0])
+                mx.eval(self.ref.get(i, logits), [kv for kv in (r[i] for r in self.kv) if kv],
+                        [x for x in (r[i] for r in self.inputs) if x is not None],
+                        [_arrays(self.calls[j][i]) for j in range(n)])
+                bar.step()
+
+
+def _arrays(x):
+    if isinstance(x, mx.array):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [y for z in x for y in _arrays(z)]
+    if isinstance(x, dict):
+        return [y for z in x.values() for y in _arrays(z)]
+    return []
+
+
+def _rows(x, B):
+    return x if B == 1 else mx.broadcast_to(x, (B, *x.shape[1:]))
+
+
+def _call(layer, call, h, cache):
+    args, kwargs = call
+    args = (h,) + tuple(cache if a is _SLOT else a for a in args[1:])
+    kwargs = {k: cache if v is _SLOT else v for k, v in kwargs.items()}
+    return layer(*args, **kwargs)
+
+
+def _kl(lp_ref, lp):
+    return (mx.exp(lp_ref) * (lp_ref - lp)).sum(axis=-1)
+
+
+def _layer_cache(row_caches):
+    return row_caches[0] if len(row_caches) == 1 else BatchKVarNCache(row_caches)
+
+
+def measure_replayed(model, rec, l, row_caches, first_read):
+    """Mean KL over the measured chunks for each row cache at layer l (a
+    KVarNCache, or a plain KVCache for a check), replaying the recorded pass."""
+    B = len(row_caches)
+    caches = make_prompt_cache(model)
+    caches[l] = _layer_cache(row_caches)
+    layers = list(model.layers)
+    kl, n = mx.zeros((B,)), 0
+    for i, (s, e) in enumerate(rec.chunks):
+        h = _rows(rec.inputs[l][i], B)
+        if s < first_read:  # no position here reads a quantized tile: downstream is the plain pass
+            out = _call(layers[l], rec.calls[l][i], h, caches[l])
+            for j in range(l + 1, len(layers)):
+                caches[j].update_and_fetch(*(_rows(x, B) for x in rec.kv[j][i]))
+            mx.eval(out, [x for c in caches[l + 1:] for x in (c.keys, c.values)])
+            continue
+        for j in range(l, len(layers)):
+            h = _call(layers[j], rec.calls[j][i], h, caches[j])
+        if i in rec.measured:
+            kl = kl + mx.stack([_kl(rec.ref[i], log_softmax(_head(model, rec.ids[s:e], h[b:b + 1])[0])).sum()
+                                for b in range(B)])
+            n += e - s
+        mx.eval(h, kl)
+    return np.array(kl / max(n, 1)).tolist()
+
+
+def _head(model, ids, h):
+    """The model's logits for hidden states h [1, L, hidden] leaving its last layer
+    (its final norm and output head, as the model applies them)."""
+    with _layers_replaced(model, {j: (lambda inner, a, k: h) for j in range(len(model.layers))}):
+        return model(mx.array(ids)[None], cache=None)
+
+
+def measure_whole(model, rec, l, cache):
+    """Mean KL over the measured chunks with `cache` at layer l: whole passes."""
+    caches = make_prompt_cache(model)
+    caches[l] = cache
+    x = mx.array(rec.ids)[None]
+    kl, n = mx.array(0.0), 0
+    for i, (s, e) in enumerate(rec.chunks):
+        logits = model(x[:, s:e], cache=caches)
+        if i in rec.measured:
+            kl = kl + _kl(rec.ref[i], log_softmax(logits[0])).sum()
+            n += e - s
+        mx.eval(kl, logits)
+    return kl.item() / max(n, 1)
+
+
+# -- calibration -----------------------------------------------------------------------
+
+
+def calibration_tokens(tokenizer, source, start, n):
+    """n token ids of the text `source` from character `start` (None: its middle)."""
+    text = load_text(source)
+    start = len(text) // 2 if start is None else start
+    ids, chars = [], 8 * n
+    while True:
+        ids = tokenizer.encode(text[start:start + chars])
+        if len(ids) > n or start + chars >= len(text):
+            break
+        chars *= 2
+    if len(ids) < n:
+        raise ValueError(f"text {source!r} from character {start} has only {len(ids)} tokens; need {n}")
+    return ids[:n], start
+
+
+def calibrate(model, tokenizer, *, source="topics", start=None, tokens=TOKENS, measure=MEASURE, chunk=CHUNK,
+              widths=WIDTHS, base=DEFAULT_PRESET, batch=12, replay=True, identity=None):
+    """The profile (a dict, profile.py's format) of this model."""
+    base = get_preset(base)
+    widths = sorted(set(widths))
+    if any(w not in SUPPORTED_BITS for w in widths):
+        raise ValueError(f"widths {widths}: use some of {SUPPORTED_BITS}")
+    G, S = base.group_size, base.sink_size
+    first_read = S + G  # the first token position whose chunk can read a quantized tile
+    if chunk < 32:
+        raise ValueError(f"--chunk {chunk}: use at least 32 (shorter steps are decoding steps to the cache)")
+    if not 0 < measure <= tokens - first_read:
+        raise ValueError(f"--measure {measure}: between 1 and --tokens minus {first_read} "
+                         f"(the sink and the first tile, {tokens - first_read} here)")
+    ids, start = calibration_tokens(tokenizer, source, start, tokens)
+    t0 = time.time()
+    layers, shapes = quantizable_layers(model)
+    if not layers:
+        raise ValueError("this model has no layer make_cache quantizes (plain KVCache layers): nothing to calibrate")
+    make_cache(model, base)  # turns the packed-attention patch on
+    chunks = _chunks(tokens, chunk)
+    measured = {i for i, (s, e) in enumerate(chunks) if e > tokens - measure}
+    measure_from = chunks[min(measured)][0]
+    rec = Recording(model, ids, chunk, measured, set(layers), first_read)
+    mode = "replay" if replay and rec.replayable else "whole"
+    if mode == "replay":
+        l = layers[len(layers) // 2]
+        try:
+            err = measure_replayed(model, rec, l, [KVCache()], first_read)[0]
+        except Exception as e:  # a model whose layers take more than the replay passes
+            err = f"{type(e).__name__}: {e}"
+        if not (isinstance(err, float) and err <= REPLAY_TOLERANCE):
+            log.warning(f"calibrate: replaying this model's layers does not reproduce its plain pass ({err}); "
+                        "measuring with whole passes (slower)")
+            mode = "whole"
+    variants = []
+    for l in layers:
+        _, D, _, _ = shapes[l]
+        for side in profiles.SIDES:
+            for w in widths:
+                cfg = variant_config(base, side, w)
+                variants.append((l, side, w, None if cannot_hold(cfg, D, D) else cfg))
+    results = {(l, side): {} for l in layers for side in profiles.SIDES}
+    todo = [v for v in variants if v[3] is not None]
+    for l, side, w, cfg in variants:
+        if cfg is None:
+            results[l, side][str(w)] = None
+    bar = Progress(len(todo), "measurements")
+    for l in layers:
+        mine = [v for v in todo if v[0] == l]
+        for k in range(0, len(mine), batch if mode == "replay" else 1):
+            group = mine[k:k + batch]
+            rows = [OneSideCache(cfg, side) for _, side, _, cfg in group]
+            if mode == "replay":
+                kls = measure_replayed(model, rec, l, rows, first_read)
+            else:
+                kls = [measure_whole(model, rec, l, rows[0])]
+            for (_, side, w, _), kl in zip(group, kls):
+                results[l, side][str(w)] = max(0.0, float(kl))
+            bar.step(len(group))
+    identity = dict(identity or {})
+    identity["fingerprint"] = profiles.fingerprint(model)
+    identity.setdefault("model_layers", str(len(make_prompt_cache(model))))
+    return {
+        "format": profiles.FORMAT,
+        "format_version": profiles.FORMAT_VERSION,
+        "model": identity,
+        "text": {"source": source, "start_char": start, "tokens": tokens,
+                 "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+                 "measured_positions": [measure_from, tokens - 1], "chunk": chunk},
+        "settings": {k: getattr(base, k) for k in profiles.SETTINGS},
+        "widths": widths,
+        "kl": "mean KL(plain || this) in nats per measured position, only this layer's side quantized",
+        "layers": [{"layer": l, "k": results[l, "k"], "v": results[l, "v"]} for l in layers],
+        "mode": mode,
+        "seconds": round(time.time() - t0, 1),
+    }
+
+
+def setup_arg_parser():
+    p = argparse.ArgumentParser(prog="python -m kvarn_mlx.calibrate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--model", default=None, help="MLX model folder, HF repo or embedded:NAME "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="the profile to write (JSON)")
+    p.add_argument("--text", default="topics", help="topics (CPython's pydoc_data/topics.py, default), or a file")
+    p.add_argument("--text-start", type=int, default=None,
+                   help="character of the text to start at (default: its middle)")
+    p.add_argument("--tokens", type=int, default=TOKENS, help=f"tokens of text run through the model (default {TOKENS})")
+    p.add_argument("--measure", type=int, default=MEASURE,
+                   help=f"KL is averaged over the last this many tokens, whole chunks (default {MEASURE})")
+    p.add_argument("--chunk", type=int, default=CHUNK, help=f"prefill chunk (default {CHUNK}, as the evals)")
+    p.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="widths to measure (default all)")
+    p.add_argument("--base", default=DEFAULT_PRESET,
+                   help=f"the preset whose other settings (tile size, sink, key rotation) the widths use "
+                        f"(default {DEFAULT_PRESET})")
+    p.add_argument("--batch", type=int, default=12, help="measurements run together as one batch (default 12)")
+    return p
+
+
+def main(argv=None):
+    args = setup_arg_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        widths = [int(w) for w in args.widths.split(",") if w]
+        if not widths or any(w not in WIDTHS for w in widths):
+            raise ValueError(f"--widths {args.widths}: use some of {', '.join(map(str, WIDTHS))}")
+        profiles.check_writable(args.out)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    from .loader import load
+    from .prompt_cache import model_identity
+
+    model, tokenizer = load(args.model)
+    identity = model_identity(args.model, model, tokenizer)
+    try:
+        p = calibrate(model, tokenizer, source=args.text, start=args.text_start, tokens=args.tokens,
+                      measure=args.measure, chunk=args.chunk, widths=widths, base=args.base,
+                      batch=max(1, args.batch), identity=identity)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    p["command"] = "python -m kvarn_mlx.calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
+    profiles.write(args.out, p)
+    worst = max(((e["layer"], s, kl) for e in p["layers"] for s in profiles.SIDES
+                 for kl in [e[s].get(str(min(p["widths"])))] if kl is not None), key=lambda t: t[2])
+    print(f"wrote {args.out}: {len(p['layers'])} layers x {len(profiles.SIDES)} sides x {len(p['widths'])} widths "
+          f"in {p['seconds']:.0f} s ({p['mode']}); most sensitive at {min(p['widths'])} bits: layer {worst[0]} "
+          f"{'keys' if worst[1] == 'k' else 'values'} (KL {worst[2]:.3g})")
+
+
+if __name__ == "__main__":
+    main()

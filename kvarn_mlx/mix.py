@@ -1,0 +1,186 @@
+"""Per-layer key and value widths from a calibration profile (profile.py).
+
+Given a byte budget (the tile bytes per token of a preset, `bytes_like`) or a
+KL target (`max_kl`), choose one key width and one value width per layer
+that minimize the predicted KL at those bytes. The prediction assumes the
+layers' and sides' KLs add up: predicted KL = the sum of the measured KLs of
+each layer's key width and value width (each measured with only that side of
+that layer quantized). Tile bytes per token per layer and side come from the
+arrays a real KVarNCache of that layer's shape holds (sink and tail are the
+same for every width, so they do not enter the choice).
+
+The choice is exact: a multiple-choice knapsack solved by dynamic programming
+over the bytes, so the mix at a preset's bytes never holds more than the
+preset and never predicts a higher KL.
+"""
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache, reduce
+
+import mlx.core as mx
+import numpy as np
+
+from . import profile as profiles
+from .cache import KVarNCache
+from .config import get_preset
+from .profile import ProfileError
+
+
+@lru_cache(maxsize=256)
+def tile_bytes(config, heads, head_dim, dtype):
+    """(key, value) bytes of one quantized tile of a layer with this config,
+    kv heads and head dim: the tile arrays a KVarNCache holds after one tile
+    (lazily filled: array bytes depend on shapes only, nothing is computed)."""
+    c = KVarNCache(config)
+    n = config.sink_size + config.group_size
+    x = mx.zeros((1, heads, n, head_dim), dtype)
+    c.update_and_fetch(x, x)
+    tiles = c.tiles.valid(1)
+    return (sum(a.nbytes for a in tiles.keys()),
+            sum(a.nbytes for a in tiles.arrays()) - sum(a.nbytes for a in tiles.keys()))
+
+
+@dataclass
+class Mix:
+    """Per-layer widths chosen from a profile, and what they cost and predict."""
+
+    widths: dict  # layer -> (k_bits, v_bits)
+    tile_bytes: int  # bytes of one tile of every quantized layer
+    predicted_kl: float  # sum of the layers' measured KLs at these widths
+    group_size: int
+    target: str  # what was asked, e.g. "bytes of auto4v2" or "KL <= 0.005"
+    budget: dict = field(default_factory=dict)  # the preset's tile bytes and predicted KL, for bytes_like
+
+    @property
+    def bytes_per_token(self):
+        """Tile bytes per token, summed over the quantized layers."""
+        return self.tile_bytes / self.group_size
+
+    def summary(self) -> dict:
+        return {"widths": {str(l): f"k{k}v{v}" for l, (k, v) in sorted(self.widths.items())},
+                "tile_bytes_per_token": self.bytes_per_token, "predicted_kl": self.predicted_kl,
+                "target": self.target, **({"preset": self.budget} if self.budget else {})}
+
+    def describe(self) -> str:
+        counts = {}
+        for kv in self.widths.values():
+            counts[kv] = counts.get(kv, 0) + 1
+        common = ", ".join(f"k{k}v{v} x{n}" for (k, v), n in sorted(counts.items(), key=lambda t: -t[1]))
+        out = (f"KV widths from the profile ({self.target}): {common}; "
+               f"{self.bytes_per_token:,.1f} tile bytes/token, predicted KL {self.predicted_kl:.4g}")
+        if self.budget:
+            out += (f" ({self.budget['name']}: {self.budget['tile_bytes'] / self.group_size:,.1f} bytes/token, "
+                    f"predicted KL {self.budget['predicted_kl']:.4g})")
+        per_layer = " ".join(f"{l}:k{k}v{v}" for l, (k, v) in sorted(self.widths.items()))
+        return out + "\n  per layer: " + per_layer
+
+
+def allocate(groups, budget):
+    """groups: per group a list of (cost, kl) options (costs integers >= 0); one
+    option per group with total cost <= budget and the least total kl.
+    Returns (option index per group, least kl per budget 0..budget), or None
+    for the indices when no choice fits."""
+    best = np.zeros(budget + 1)  # least kl of the groups so far at cost <= b
+    picks = []
+    for options in groups:
+        new = np.full(budget + 1, np.inf)
+        pick = np.full(budget + 1, -1, np.int16)
+        for i, (cost, kl) in enumerate(options):
+            if cost > budget:
+                continue
+            cand = np.full(budget + 1, np.inf)
+            cand[cost:] = best[: budget + 1 - cost] + kl
+            better = cand < new  # ties keep the earlier (cheaper) option
+            new[better], pick[better] = cand[better], i
+        best = new
+        picks.append(pick)
+    if not np.isfinite(best[budget]):
+        return None, best
+    b, chosen = budget, []
+    for g in reversed(range(len(groups))):
+        i = int(picks[g][b])
+        chosen.append(i)
+        b -= groups[g][i][0]
+    return chosen[::-1], best
+
+
+def _options(p, shapes):
+    """Per (layer, side) group, the (width, tile bytes, kl) it can take."""
+    settings = p["settings"]
+    groups = []
+    for e in sorted(p["layers"], key=lambda e: e["layer"]):
+        heads, k_dim, v_dim, dtype = shapes[e["layer"]]
+        for side in profiles.SIDES:
+            opts = []
+            for w in p["widths"]:
+                kl = e[side][str(w)]
+                if kl is None:
+                    continue
+                cfg = profiles.settings_config(settings, w, w)
+                kb, vb = tile_bytes(cfg, heads, k_dim, dtype)
+                opts.append((w, kb if side == "k" else vb, kl))
+            groups.append(((e["layer"], side), opts))
+    return groups
+
+
+def choose(p, shapes, bytes_like=None, max_kl=None) -> Mix:
+    """The mix for profile p on layers of these shapes ({layer: (kv heads, key dim,
+    value dim, dtype)}): the least predicted KL within the tile bytes of the
+    preset bytes_like, or the fewest bytes whose predicted KL is at most max_kl."""
+    if (bytes_like is None) == (max_kl is None):
+        raise ValueError("a profile needs exactly one of bytes_like (a preset whose bytes to match) or max_kl")
+    groups = _options(p, shapes)
+    costs = [c for _, opts in groups for _, c, _ in opts]
+    unit = reduce(math.gcd, costs)
+    G = p["settings"]["group_size"]
+    preset = None
+    if bytes_like is not None:
+        cfg = get_preset(bytes_like)
+        if cfg.group_size != G:
+            raise ValueError(f"bytes_like={bytes_like!r} has {cfg.group_size}-token tiles; the profile's have {G}")
+        widths = {"k": cfg.k_bits, "v": cfg.v_bits}
+        total, kl = 0, 0.0
+        for (layer, side), opts in groups:
+            match = [o for o in opts if o[0] == widths[side]]
+            if not match:
+                raise ValueError(f"bytes_like={bytes_like!r}: layer {layer} cannot hold {widths[side]}-bit "
+                                 f"{'keys' if side == 'k' else 'values'}; pick another preset")
+            total, kl = total + match[0][1], kl + match[0][2]
+        preset = {"name": bytes_like, "tile_bytes": total, "predicted_kl": kl}
+        budget = total // unit
+        target = f"the bytes of {bytes_like}"
+    else:
+        if not (isinstance(max_kl, (int, float)) and max_kl > 0 and math.isfinite(max_kl)):
+            raise ValueError(f"max_kl={max_kl!r}: give a KL in nats > 0, e.g. 0.005")
+        budget = sum(max(c for _, c, _ in opts) for _, opts in groups) // unit
+        target = f"predicted KL <= {max_kl:g}"
+    scaled = [[(c // unit, kl) for _, c, kl in opts] for _, opts in groups]
+    chosen, best = allocate(scaled, budget)
+    if chosen is None:
+        raise ValueError("no widths fit that many bytes")
+    if max_kl is not None:
+        if best[budget] > max_kl:
+            raise ValueError(f"the profile predicts KL {best[budget]:.4g} at best (8-bit keys and values "
+                             f"everywhere), above max_kl={max_kl:g}; ask for more, or use the plain cache (fp16)")
+        budget = int(np.argmax(best <= max_kl))
+        chosen, _ = allocate(scaled, budget)
+    widths, total, kl = {}, 0, 0.0
+    for ((layer, side), opts), i in zip(groups, chosen):
+        w, c, k = opts[i]
+        widths.setdefault(layer, {})[side] = w
+        total, kl = total + c, kl + k
+    return Mix({l: (d["k"], d["v"]) for l, d in widths.items()}, total, kl, G, target, preset or {})
+
+
+def from_profile(model, p, kvarn_layers, shapes, bytes_like=None, max_kl=None, where="the profile"):
+    """(Mix, {layer: KVarNConfig}) for this model from profile p (profile.read's),
+    after refusing one of another model or with missing layers.
+    kvarn_layers: the layers make_cache quantizes; shapes: their kv_shapes."""
+    profiles.check_model(p, model, kvarn_layers, where)
+    try:
+        mix = choose(p, shapes, bytes_like=bytes_like, max_kl=max_kl)
+    except ValueError as e:
+        raise ProfileError(f"{where}: {e}") from None
+    configs = {l: profiles.settings_config(p["settings"], k, v) for l, (k, v) in mix.widths.items()}
+    return mix, configs

@@ -1,0 +1,200 @@
+"""Calibration profiles: how much each layer of one model minds KVarN at each
+key and value width, measured by `python -m kvarn_mlx.calibrate`, as JSON.
+
+    profile = read(path)              # the file's structure checked: nothing else is needed
+    check_model(profile, model, layers)   # made with this model, every KVarN layer measured
+    write(path, profile)              # atomically; never over a file that is not a profile
+
+A profile holds, per layer that make_cache turns into a KVarNCache, the mean KL
+to the plain cache when only that layer's keys (or only its values) are
+quantized at each width ("k": {"2": kl, ...}, "v": {...}; null where the
+layer's head dim cannot hold that width). Every failure is a ProfileError
+whose message names the problem and the fix.
+"""
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .config import SUPPORTED_BITS, KVarNConfig
+
+FORMAT = "kvarn-mlx-profile"
+FORMAT_VERSION = 1
+SIDES = ("k", "v")
+# The settings a profile's widths were measured with; a mix uses the same.
+SETTINGS = ("group_size", "sink", "iters", "scale_dtype", "rotate_keys", "rotate_values")
+_SAMPLE = 64  # elements read from each end of every parameter for the fingerprint
+
+
+class ProfileError(ValueError):
+    pass
+
+
+def fingerprint(model) -> str:
+    """A hash of what the model computes: its config, class, and every parameter's
+    name, shape, dtype and first and last elements. Computed from the model
+    object alone, so make_cache can check a profile without knowing where the
+    model was loaded from (a fine-tune of the same architecture gets another)."""
+    h = hashlib.sha256()
+    args = getattr(model, "args", None)
+    fields = vars(args) if args is not None and hasattr(args, "__dict__") else {}
+    h.update(json.dumps(fields, sort_keys=True, default=str).encode())
+    h.update(f"{type(model).__module__}.{type(model).__name__}".encode())
+    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    ends = []
+    for name, x in params:
+        h.update(f"{name}:{tuple(x.shape)}:{x.dtype}".encode())
+        flat = x.reshape(-1)
+        ends.append(mx.concatenate([flat[:_SAMPLE], flat[-_SAMPLE:]]).astype(mx.float32)
+                    if mx.issubdtype(x.dtype, mx.floating) else
+                    mx.concatenate([flat[:_SAMPLE], flat[-_SAMPLE:]]).astype(mx.int64))
+    mx.eval(ends)
+    for e in ends:
+        h.update(np.array(e).tobytes())
+    return h.hexdigest()[:32]
+
+
+def settings_config(settings, k_bits, v_bits) -> KVarNConfig:
+    """The KVarNConfig of widths k_bits/v_bits with a profile's settings."""
+    return KVarNConfig(k_bits=k_bits, v_bits=v_bits, **{k: settings[k] for k in SETTINGS})
+
+
+# -- reading -------------------------------------------------------------------------
+
+
+def read(path) -> dict:
+    """The profile in the file `path`, once its structure is known to be sound:
+    format and version, the settings, the widths (each one KVarN supports) and,
+    for every layer, a KL (a finite number >= 0, or null) at every width."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ProfileError(f"no profile file at {path}; make one with python -m kvarn_mlx.calibrate --out {path}")
+    try:
+        p = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProfileError(f"{path} is not JSON ({e}); pass a file written by python -m kvarn_mlx.calibrate")
+    if not isinstance(p, dict) or p.get("format") != FORMAT:
+        raise ProfileError(f"{path} is not a kvarn-mlx profile (no \"format\": \"{FORMAT}\"); "
+                           "pass a file written by python -m kvarn_mlx.calibrate")
+    if p.get("format_version") != FORMAT_VERSION:
+        raise ProfileError(f"{path} has profile format version {p.get('format_version')!r}; this version reads "
+                           f"{FORMAT_VERSION}. Calibrate again")
+    validate(p, str(path))
+    return p
+
+
+def validate(p, where="the profile"):
+    """Raise ProfileError unless p has every field a mix needs, each well formed."""
+    def bad(msg):
+        raise ProfileError(f"{where}: {msg}; calibrate again (python -m kvarn_mlx.calibrate)")
+
+    model = p.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("fingerprint"), str):
+        bad("no model fingerprint")
+    widths = p.get("widths")
+    if not isinstance(widths, list) or not widths:
+        bad("no widths")
+    for w in widths:
+        if w not in SUPPORTED_BITS or isinstance(w, bool):
+            bad(f"width {w!r} is not one KVarN supports ({', '.join(map(str, SUPPORTED_BITS))})")
+    settings = p.get("settings")
+    if not isinstance(settings, dict) or any(k not in settings for k in SETTINGS):
+        bad(f"settings must name {', '.join(SETTINGS)}")
+    try:
+        settings_config(settings, widths[0], widths[0])
+    except (TypeError, ValueError) as e:
+        bad(f"settings are not a KVarN setting ({e})")
+    layers = p.get("layers")
+    if not isinstance(layers, list) or not layers:
+        bad("no layers")
+    seen = set()
+    for entry in layers:
+        i = entry.get("layer") if isinstance(entry, dict) else None
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0 or i in seen:
+            bad(f"layer entry {entry!r} has no index, or a repeated one")
+        seen.add(i)
+        for side in SIDES:
+            kls = entry.get(side)
+            if not isinstance(kls, dict):
+                bad(f"layer {i} has no {side!r} measurements")
+            for key in kls:
+                if not key.isdigit() or int(key) not in SUPPORTED_BITS:
+                    bad(f"layer {i} {side!r}: width {key!r} is not one KVarN supports "
+                        f"({', '.join(map(str, SUPPORTED_BITS))})")
+            for w in widths:
+                kl = kls.get(str(w), "missing")
+                if kl == "missing":
+                    bad(f"layer {i} {side!r} has no measurement at width {w}")
+                if kl is not None and (not isinstance(kl, (int, float)) or isinstance(kl, bool)
+                                       or not math.isfinite(kl) or kl < 0):
+                    bad(f"layer {i} {side!r} width {w}: KL {kl!r} is not a number >= 0")
+            if all(kls[str(w)] is None for w in widths):
+                bad(f"layer {i} {side!r} has no width it can hold")
+
+
+def check_model(p, model, layers, where="the profile"):
+    """Refuse a profile made with another model, or one that leaves out (or adds)
+    a layer make_cache quantizes. layers: the indices of those layers."""
+    fp = fingerprint(model)
+    if p["model"]["fingerprint"] != fp:
+        raise ProfileError(f"{where} was calibrated on {p['model'].get('model', 'another model')} "
+                           f"({p['model'].get('model_layers', '?')} layers), not on the model loaded now; "
+                           "calibrate this model (python -m kvarn_mlx.calibrate --model ...) or pass its profile")
+    have = {e["layer"] for e in p["layers"]}
+    missing, extra = sorted(set(layers) - have), sorted(have - set(layers))
+    if missing or extra:
+        what = (f"has no measurements for layer(s) {missing}" if missing else
+                f"measures layer(s) {extra}, which this model's cache does not quantize")
+        raise ProfileError(f"{where} {what}; calibrate again (python -m kvarn_mlx.calibrate)")
+
+
+# -- writing -------------------------------------------------------------------------
+
+
+def is_profile(path) -> bool:
+    try:
+        return json.loads(Path(path).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+        return False
+
+
+def check_writable(path) -> Path:
+    """The path, once a profile can be written there: its folder exists and any
+    file already there is a profile (call it before the long measurement)."""
+    path = Path(path).expanduser()
+    if not path.parent.is_dir():
+        raise ProfileError(f"cannot write the profile to {path}: {path.parent} is not a folder; create it first")
+    if path.is_dir():
+        raise ProfileError(f"cannot write the profile to {path}: it is a folder; pass a file name")
+    if path.exists() and not is_profile(path):
+        raise ProfileError(f"{path} exists and is not a kvarn-mlx profile; refusing to overwrite it. "
+                           "Pass another file name")
+    return path
+
+
+def write(path, p) -> Path:
+    """Write profile p to `path` atomically (a temp file in the same folder, then a rename)."""
+    validate(p)
+    path = check_writable(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(p, f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,129 @@
+"""python -m kvarn_mlx.calibrate on tiny models: the replayed measurement equals
+whole teacher-forced passes, and the profile it writes reads back."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from kvarn_mlx import calibrate as C
+from kvarn_mlx import profile as P
+from kvarn_mlx.config import get_preset
+from kvarn_mlx.integration import make_cache
+from models import tiny_model, tokenizer
+
+TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 40
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("text") / "text.txt"
+    p.write_text(TEXT)
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama64")
+
+
+@pytest.fixture(scope="module")
+def llama_profile(llama, text_file):
+    return C.calibrate(llama, tokenizer(), source=text_file, start=0, tokens=384, measure=128, chunk=128)
+
+
+@pytest.mark.parametrize("name", ["llama64", "gemma3", "qwen2"])
+def test_replay_equals_whole_passes(name, text_file):
+    """Layer l's recorded inputs replayed through layers l.. give the KL of whole
+    teacher-forced passes with the same cache at layer l (keys: auto rotation)."""
+    model = tiny_model(name)
+    ids, _ = C.calibration_tokens(tokenizer(), text_file, 0, 512)
+    chunks = C._chunks(512, 128)
+    layers = [i for i, c in enumerate(make_cache(model, "auto4v2")) if type(c).__name__ == "KVarNCache"]
+    l = layers[-1] if name == "gemma3" else layers[0]
+    rec = C.Recording(model, ids, 128, {2, 3}, {l}, 256)
+    base = get_preset("auto4v2")
+    assert C.measure_replayed(model, rec, l, [KVCache()], 256) == [0.0]
+    for side, w in (("k", 2), ("v", 3)):
+        replayed = C.measure_replayed(model, rec, l, [C.OneSideCache(C.variant_config(base, side, w), side)], 256)
+        whole = C.measure_whole(model, rec, l, C.OneSideCache(C.variant_config(base, side, w), side))
+        assert replayed[0] > 1e-4
+        assert replayed[0] == pytest.approx(whole, rel=1e-4)
+    assert len(chunks) == 4
+
+
+def test_batched_rows_equal_single_rows(llama, text_file):
+    ids, _ = C.calibration_tokens(tokenizer(), text_file, 0, 512)
+    rec = C.Recording(llama, ids, 128, {3}, {0}, 256)
+    base = get_preset("auto4v2")
+    variants = [("k", 2), ("v", 2), ("k", 5)]
+    rows = C.measure_replayed(llama, rec, 0, [C.OneSideCache(C.variant_config(base, s, w), s) for s, w in variants],
+                              256)
+    for (s, w), kl in zip(variants, rows):
+        one = C.measure_replayed(llama, rec, 0, [C.OneSideCache(C.variant_config(base, s, w), s)], 256)[0]
+        assert kl == pytest.approx(one, rel=1e-4)
+
+
+def test_one_side_cache_reads_the_other_side_exactly():
+    """Keys-only: attention output equals attention with the quantized keys and exact values."""
+    cfg = C.variant_config(get_preset("k2v2_g128"), "k", 2)
+    c = C.OneSideCache(cfg, "k")
+    k = mx.random.normal((1, 2, 512, 64), key=mx.random.key(1))
+    v = mx.random.normal((1, 2, 512, 64), key=mx.random.key(2))
+    c.update_and_fetch(k[:, :, :384], v[:, :, :384])
+    c.update_and_fetch(k[:, :, 384:], v[:, :, 384:])
+    view = c.step_view()
+    assert view.tiles is None
+    got_v = mx.concatenate([view.sink_v, view.recent_v], axis=2)
+    got_k = mx.concatenate([view.sink_k, view.recent_k], axis=2)
+    assert mx.array_equal(got_v, v)
+    assert not mx.allclose(got_k[:, :, 128:384], k[:, :, 128:384], atol=1e-3)  # quantized tiles
+    assert mx.array_equal(got_k[:, :, :128], k[:, :, :128])  # the sink
+
+
+def test_profile_holds_every_layer_side_and_width(llama, llama_profile):
+    p = llama_profile
+    assert p["format"] == P.FORMAT and p["format_version"] == P.FORMAT_VERSION
+    assert p["mode"] == "replay"
+    assert p["widths"] == [2, 3, 4, 5, 6, 8]
+    assert [e["layer"] for e in p["layers"]] == [0, 1]
+    assert p["model"]["fingerprint"] == P.fingerprint(llama)
+    assert p["text"]["tokens"] == 384 and p["text"]["measured_positions"] == [256, 383]
+    for e in p["layers"]:
+        for side in "kv":
+            kl = e[side]
+            assert set(kl) == {"2", "3", "4", "5", "6", "8"}
+            assert kl["2"] > kl["4"] > kl["8"] >= 0
+
+
+def test_profile_round_trip(tmp_path, llama_profile):
+    path = tmp_path / "p.json"
+    P.write(path, llama_profile)
+    assert P.read(path) == json.loads(json.dumps(llama_profile))
+    assert not list(tmp_path.glob(".*tmp"))  # the temp file was renamed
+
+
+def test_profile_is_not_written_over_other_files(tmp_path, llama_profile):
+    other = tmp_path / "notes.json"
+    other.write_text('{"mine": 1}')
+    with pytest.raises(P.ProfileError, match="not a kvarn-mlx profile; refusing"):
+        P.write(other, llama_profile)
+    assert other.read_text() == '{"mine": 1}'
+    with pytest.raises(P.ProfileError, match="not a folder"):
+        P.check_writable(tmp_path / "missing" / "p.json")
+
+
+def test_calibrate_cli_refuses_bad_arguments_before_loading(tmp_path):
+    other = tmp_path / "notes.json"
+    other.write_text("keep")
+    with pytest.raises(SystemExit, match="refusing to overwrite"):
+        C.main(["--out", str(other)])
+    with pytest.raises(SystemExit, match="--widths 2,7"):
+        C.main(["--out", str(tmp_path / "p.json"), "--widths", "2,7"])
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_calibrate_refuses_a_measure_window_without_quantized_tiles(llama, text_file):
+    with pytest.raises(ValueError, match="--measure"):
+        C.calibrate(llama, tokenizer(), source=text_file, start=0, tokens=300, measure=256, chunk=128)

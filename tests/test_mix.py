@@ -1,0 +1,198 @@
+"""Per-layer widths from a calibration profile: the allocation (exact, monotone in
+the budget, never above a preset's bytes at its bytes), make_cache(profile=...)
+and the refusals, on tiny models with synthetic profiles."""
+
+import copy
+import itertools
+import json
+import random
+
+import mlx.core as mx
+import pytest
+
+from kvarn_mlx import generate, integration, memory
+from kvarn_mlx import mix as M
+from kvarn_mlx import profile as P
+from kvarn_mlx.cache import KVarNCache
+from kvarn_mlx.config import get_preset
+from kvarn_mlx.integration import make_cache, profile_mix
+from models import tiny_model
+
+WIDTHS = [2, 3, 4, 5, 6, 8]
+PRESETS = ["auto2", "auto4v2", "k4v4_g128", "k6v4_g128", "k8v8_g128"]
+
+
+def synthetic(model, seed=0, layers=None):
+    """A profile of this model with made-up KLs: falling 4x per bit, each layer
+    and side its own scale (what calibration measures, in shape)."""
+    rng = random.Random(seed)
+    layers = integration.quantizable_layers(model)[0] if layers is None else layers
+    entries = [{"layer": l, **{s: {str(w): rng.uniform(0.2, 5) * 0.3 * 4.0 ** -(w - 2) for w in WIDTHS}
+                               for s in "kv"}} for l in layers]
+    return {"format": P.FORMAT, "format_version": P.FORMAT_VERSION,
+            "model": {"model": "tiny", "fingerprint": P.fingerprint(model)},
+            "settings": {k: getattr(get_preset("auto4v2"), k) for k in P.SETTINGS},
+            "widths": WIDTHS, "layers": entries}
+
+
+def save(tmp_path, p, name="p.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(p))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: tiny_model(name) for name in ("llama64", "gemma3", "llama128")}
+
+
+def test_allocate_is_exact():
+    """The dynamic programme finds the least total KL within the budget, as a brute force does."""
+    rng = random.Random(0)
+    for _ in range(20):
+        groups = [[(rng.randint(0, 6), rng.uniform(0, 1)) for _ in range(3)] for _ in range(4)]
+        for budget in range(0, 25):
+            chosen, best = M.allocate(groups, budget)
+            fits = [(sum(g[i][1] for g, i in zip(groups, pick)), pick)
+                    for pick in itertools.product(range(3), repeat=4)
+                    if sum(g[i][0] for g, i in zip(groups, pick)) <= budget]
+            if not fits:
+                assert chosen is None
+                continue
+            assert sum(g[i][0] for g, i in zip(groups, chosen)) <= budget
+            assert sum(g[i][1] for g, i in zip(groups, chosen)) == pytest.approx(min(fits)[0])
+            assert best[budget] == pytest.approx(min(fits)[0])
+
+
+@pytest.mark.parametrize("name", ["llama64", "gemma3", "llama128"])
+def test_mix_is_monotone_in_the_budget_and_never_above_a_preset(name, models):
+    model = models[name]
+    p = synthetic(model)
+    layers, shapes = integration.quantizable_layers(model)
+    mixes = sorted((M.choose(p, shapes, bytes_like=b) for b in PRESETS), key=lambda m: m.budget["tile_bytes"])
+    for a, b in zip(mixes, mixes[1:]):
+        assert b.predicted_kl <= a.predicted_kl
+    for m in mixes:
+        assert m.tile_bytes <= m.budget["tile_bytes"]
+        assert m.predicted_kl <= m.budget["predicted_kl"] + 1e-15
+    # the least KL per budget, every budget from 0 up, never rises
+    groups = M._options(p, shapes)
+    unit = 2
+    scaled = [[(c // unit, kl) for _, c, kl in opts] for _, opts in groups]
+    _, best = M.allocate(scaled, mixes[-1].budget["tile_bytes"] // unit)
+    finite = best[best < float("inf")]
+    assert (finite[1:] <= finite[:-1]).all()
+
+
+def test_mix_predicts_less_than_the_uniform_preset_when_layers_differ(models):
+    model = models["llama64"]
+    p = synthetic(model)
+    p["layers"][0]["k"] = {str(w): 10 * v for w, v in p["layers"][0]["k"].items()}  # keys of layer 0 matter more
+    shapes = integration.quantizable_layers(model)[1]
+    m = M.choose(p, shapes, bytes_like="auto4v2")
+    assert m.predicted_kl < m.budget["predicted_kl"]
+    assert m.widths[0][0] >= m.widths[1][0]  # key bits go where they matter
+
+
+@pytest.mark.parametrize("name", ["llama64", "gemma3"])
+def test_held_bytes_of_the_mix_never_exceed_the_preset(name, models, tmp_path):
+    model = models[name]
+    path = save(tmp_path, synthetic(model))
+    x = (mx.arange(700) % 200)[None]
+    for preset in ("auto2", "auto4v2"):
+        mixed = make_cache(model, profile=path, bytes_like=preset)
+        plain = make_cache(model, preset)
+        model(x, cache=mixed)
+        model(x, cache=plain)
+        held = memory.cache_bytes(mixed)["held"], memory.cache_bytes(plain)["held"]
+        assert held[0] <= held[1]
+        assert any(isinstance(c, KVarNCache) for c in mixed)
+        widths = {i: (c.config.k_bits, c.config.v_bits) for i, c in enumerate(mixed) if isinstance(c, KVarNCache)}
+        assert widths == profile_mix(model, path, preset)[0].widths
+
+
+def test_tile_bytes_are_those_a_real_cache_holds():
+    cfg = get_preset("k4v2_g128")
+    kb, vb = M.tile_bytes(cfg, 2, 64, mx.float16)
+    c = KVarNCache(cfg)
+    x = mx.random.normal((1, 2, 128 + 3 * 128, 64)).astype(mx.float16)
+    c.update_and_fetch(x, x)
+    b = c.nbytes_breakdown()
+    assert (kb + vb) * c.n_tiles == b["codes"] + b["scales"]
+    assert kb > vb  # 4-bit keys against 2-bit values
+
+
+def test_max_kl_gives_the_fewest_bytes_below_it(models):
+    model = models["llama64"]
+    p = synthetic(model)
+    shapes = integration.quantizable_layers(model)[1]
+    for target in (0.5, 0.05, 0.01, 0.003):
+        m = M.choose(p, shapes, max_kl=target)
+        assert m.predicted_kl <= target
+        smaller = [M.choose(p, shapes, bytes_like=b) for b in PRESETS]
+        for s in smaller:  # a preset-sized mix that meets the target is never cheaper
+            if s.predicted_kl <= target:
+                assert m.tile_bytes <= s.tile_bytes
+    with pytest.raises(ValueError, match="at best"):
+        M.choose(p, shapes, max_kl=1e-12)
+
+
+def test_refusals_come_before_any_cache_is_built(models, tmp_path, monkeypatch):
+    model = models["llama64"]
+    good = synthetic(model)
+    other = save(tmp_path, synthetic(tiny_model("llama64", seed=1)), "other.json")
+    missing = copy.deepcopy(good)
+    missing["layers"] = missing["layers"][:1]
+    wide = copy.deepcopy(good)
+    wide["widths"] = [2, 4, 7]
+    narrow = copy.deepcopy(good)
+    narrow["layers"][1]["v"]["1"] = 0.5
+    negative = copy.deepcopy(good)
+    negative["layers"][0]["k"]["4"] = -1
+
+    def built(*a, **k):
+        raise AssertionError("a KVarNCache was built before the profile was refused")
+    monkeypatch.setattr(KVarNCache, "__init__", built)
+    cases = [(other, "calibrated on tiny .* not on the model loaded now"),
+             (save(tmp_path, missing, "m.json"), r"no measurements for layer\(s\) \[1\]"),
+             (save(tmp_path, wide, "w.json"), "width 7 is not one KVarN supports"),
+             (save(tmp_path, narrow, "n.json"), "width '1' is not one KVarN supports"),
+             (save(tmp_path, negative, "neg.json"), "is not a number >= 0"),
+             (str(tmp_path / "absent.json"), "no profile file"),
+             (save(tmp_path, {"format": "x"}, "x.json"), "not a kvarn-mlx profile")]
+    for path, message in cases:
+        with pytest.raises(P.ProfileError, match=message):
+            make_cache(model, profile=path, bytes_like="auto4v2")
+
+
+def test_make_cache_options(models, tmp_path):
+    model = models["llama64"]
+    path = save(tmp_path, synthetic(model))
+    with pytest.raises(ValueError, match="exactly one"):
+        make_cache(model, profile=path)
+    with pytest.raises(ValueError, match="exactly one"):
+        make_cache(model, profile=path, bytes_like="auto2", max_kl=0.1)
+    with pytest.raises(ValueError, match="pass profile= too"):
+        make_cache(model, bytes_like="auto2")
+    with pytest.raises(ValueError, match="do not combine"):
+        make_cache(model, profile=path, bytes_like="auto2", fp16_layers=(0,))
+    with pytest.raises(ValueError, match="max_kl"):
+        make_cache(model, profile=path, max_kl=-1)
+    mix = profile_mix(model, path, "auto4v2")[0]
+    assert "KV widths from the profile (the bytes of auto4v2)" in mix.describe()
+    assert set(mix.summary()["widths"]) == {"0", "1"}
+
+
+def test_generate_flags(tmp_path, models):
+    parse = generate.setup_arg_parser().parse_args
+    with pytest.raises(generate.UsageError, match="pass --kv-profile"):
+        generate.check_args(parse(["--kv-max-kl", "0.01"]))
+    with pytest.raises(generate.UsageError, match="no profile file"):
+        generate.check_args(parse(["--kv-profile", str(tmp_path / "none.json")]))
+    path = save(tmp_path, synthetic(models["llama64"]))
+    with pytest.raises(generate.UsageError, match="give one"):
+        generate.check_args(parse(["--kv-profile", path, "--kv-max-kl", "0.01", "--kv-bytes-like", "auto2"]))
+    with pytest.raises(generate.UsageError, match="--kv-bytes-like"):
+        generate.check_args(parse(["--kv-profile", path, "--kv-bytes-like", "k9v2"]))
+    assert generate.kv_profile(parse(["--kv-profile", path])) == (path, "auto4v2", None)
+    assert generate.kv_profile(parse(["--kv-profile", path, "--kv-max-kl", "0.01"])) == (path, None, 0.01)
