@@ -196,3 +196,18 @@ def test_generate_flags(tmp_path, models):
         generate.check_args(parse(["--kv-profile", path, "--kv-bytes-like", "k9v2"]))
     assert generate.kv_profile(parse(["--kv-profile", path])) == (path, "auto4v2", None)
     assert generate.kv_profile(parse(["--kv-profile", path, "--kv-max-kl", "0.01"])) == (path, None, 0.01)
+
+
+def test_eval_method_of_a_profile(models, tmp_path):
+    from kvarn_mlx.eval import methods
+
+    model = models["llama64"]
+    path = save(tmp_path, synthetic(model))
+    assert methods.profile_method(f"{path}@kl0.01") == (path, None, 0.01)
+    assert methods.profile_method("auto4v2") is None
+    caches = methods.make_caches(model, f"{path}@auto4v2")
+    widths = {i: (c.config.k_bits, c.config.v_bits) for i, c in enumerate(caches)}
+    assert widths == profile_mix(model, path, "auto4v2")[0].widths
+    assert methods.method_bits(f"{path}@auto2") == "mixed"
+    with pytest.raises(ValueError, match="unknown KVarN preset"):
+        methods.method_bits(f"{path}@k9v9")

@@ -17,6 +17,8 @@ Methods, at B = 2, 4 or 8 bits (every tile method uses the same sink and tail):
             is quantized the moment it arrives)
   konlyB / vonlyB  KVarN on K only / V only, the other side in full precision
   any preset name (k4v2_g128, auto4v2, ...) or kXvY_gG[_auto] name (k5v3_g128, ...)
+  PROFILE.json@PRESET  per-layer widths from a calibration profile at PRESET's bytes
+  PROFILE.json@kl0.005 the same for a predicted KL of at most 0.005 (make_cache's max_kl)
 
 Variants, appended to a tile method's name (no commas: they separate methods):
   +fp8          scales stored as e4m3 bytes (scale_dtype="fp8"; codes <= 4 bits)
@@ -64,6 +66,17 @@ def _parse(name):
     return m.group(1), int(m.group(2))
 
 
+def profile_method(name):
+    """(profile path, bytes_like, max_kl) of a PROFILE.json@PRESET or PROFILE.json@klX method, else None."""
+    path, at, target = name.rpartition("@")
+    if not at or not path.endswith(".json"):
+        return None
+    if re.fullmatch(r"kl[0-9.eE+-]+", target):
+        return path, None, float(target[2:])
+    get_preset(target)  # a clear error for an unknown preset
+    return path, target, None
+
+
 def method_cache(name):
     """(cache class, KVarNConfig) of a tile method, or (QuantizedKVCache, None) for mlxqB."""
     base, overrides, _ = _variant(name)
@@ -99,6 +112,9 @@ def make_caches(model, name):
     caches = mlx_cache.make_prompt_cache(model)
     if name == "fp":
         return caches
+    if profile_method(name):
+        path, bytes_like, max_kl = profile_method(name)
+        return integration.make_cache(model, profile=path, bytes_like=bytes_like, max_kl=max_kl)
     cls, cfg = method_cache(name)
     n, layers = len(caches), _variant(name)[2]
     plain = {i % n for i in layers if -n <= i < n}
@@ -115,6 +131,8 @@ def method_bits(name):
     """"K/V" code bits of a method, "fp" for a side kept in full precision."""
     if name == "fp":
         return "16/16"
+    if profile_method(name):
+        return "mixed"
     cls, cfg = method_cache(name)
     if cfg is None:
         b = _parse(name)[1]
