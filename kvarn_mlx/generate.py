@@ -111,30 +111,12 @@ def check_args(args):
 def kv_profile(args):
     """(profile path, bytes_like, max_kl) for make_cache, the profile's structure
     checked (no model needed), or (None, None, None) without --kv-profile."""
-    if args.kv_profile is None:
-        if args.kv_bytes_like is not None or args.kv_max_kl is not None:
-            raise UsageError("--kv-bytes-like and --kv-max-kl choose widths from a calibration profile: "
-                             "pass --kv-profile PROFILE.json too")
-        return None, None, None
-    if args.kv_fp16_layers:
+    if args.kv_profile is not None and args.kv_fp16_layers:
         raise UsageError("--kv-fp16-layers and --kv-profile do not combine: the profile chooses every layer's widths")
-    if args.kv_bytes_like is not None and args.kv_max_kl is not None:
-        raise UsageError("--kv-bytes-like and --kv-max-kl: give one (a preset's bytes, or a KL target)")
-    if args.kv_max_kl is not None and not (math.isfinite(args.kv_max_kl) and args.kv_max_kl > 0):
-        raise UsageError(f"--kv-max-kl {args.kv_max_kl}: give a KL in nats > 0, e.g. 0.005")
-    bytes_like = args.kv_bytes_like
-    if args.kv_max_kl is None and bytes_like is None:
-        bytes_like = DEFAULT_PRESET
-    if bytes_like is not None:
-        try:
-            get_preset(bytes_like)
-        except ValueError as e:
-            raise UsageError(f"--kv-bytes-like: {e}") from None
     try:
-        profiles.read(args.kv_profile)
-    except profiles.ProfileError as e:
-        raise UsageError(f"--kv-profile: {e}") from None
-    return args.kv_profile, bytes_like, args.kv_max_kl
+        return profiles.flags(args.kv_profile, args.kv_bytes_like, args.kv_max_kl, DEFAULT_PRESET)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def fp16_layers(args):

@@ -155,6 +155,42 @@ def check_model(p, model, layers, where="the profile"):
         raise ProfileError(f"{where} {what}; calibrate again (python -m kvarn_mlx.calibrate)")
 
 
+def flags(profile, bytes_like, max_kl, default_bytes_like):
+    """(profile, bytes_like, max_kl) for make_cache from the CLIs' --kv-profile,
+    --kv-bytes-like and --kv-max-kl, the profile file's structure checked (no
+    model needed); (None, None, None) without a profile. Without either target,
+    the widths match default_bytes_like's bytes. Raises ValueError naming the flag."""
+    if profile is None:
+        if bytes_like is not None or max_kl is not None:
+            raise ValueError("--kv-bytes-like and --kv-max-kl choose widths from a calibration profile: "
+                             "pass --kv-profile PROFILE.json too")
+        return None, None, None
+    if bytes_like is not None and max_kl is not None:
+        raise ValueError("--kv-bytes-like and --kv-max-kl: give one (a preset's bytes, or a KL target)")
+    if max_kl is not None and not (math.isfinite(max_kl) and max_kl > 0):
+        raise ValueError(f"--kv-max-kl {max_kl}: give a KL in nats > 0, e.g. 0.005")
+    if max_kl is None and bytes_like is None:
+        bytes_like = default_bytes_like
+    if bytes_like is not None:
+        from .config import get_preset
+
+        try:
+            get_preset(bytes_like)
+        except ValueError as e:
+            raise ValueError(f"--kv-bytes-like: {e}") from None
+    try:
+        read(profile)
+    except ProfileError as e:
+        raise ValueError(f"--kv-profile: {e}") from None
+    return profile, bytes_like, max_kl
+
+
+def from_settings(settings, default_bytes_like):
+    """flags() of parsed CLI settings (kv_profile, kv_bytes_like, kv_max_kl; absent ones are None)."""
+    return flags(getattr(settings, "kv_profile", None), getattr(settings, "kv_bytes_like", None),
+                 getattr(settings, "kv_max_kl", None), default_bytes_like)
+
+
 # -- writing -------------------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from kvarn_mlx import guard, server
+from kvarn_mlx import profile as profiles
 from kvarn_mlx.cli_support import flag
 from kvarn_mlx.config import DEFAULT_PRESET
 from kvarn_mlx.loader import home
@@ -21,6 +22,12 @@ def cli_args(argv):
                    help="MLX model folder or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--kv-preset", default=DEFAULT_PRESET, help=f"KV cache preset (default {DEFAULT_PRESET}; "
                                                               "fp16 = mlx-lm's plain cache)")
+    p.add_argument("--kv-profile", default=None, metavar="PROFILE.json",
+                   help="per-layer widths from this model's calibration profile (python -m kvarn_mlx.calibrate)")
+    p.add_argument("--kv-bytes-like", default=None, metavar="PRESET",
+                   help=f"with --kv-profile: at most this preset's bytes (default {DEFAULT_PRESET})")
+    p.add_argument("--kv-max-kl", type=float, default=None, metavar="KL",
+                   help="with --kv-profile: the fewest bytes predicting at most this KL")
     p.add_argument("--max-tokens", type=int, default=512, help="reply length limit (tokens)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature")
     p.add_argument("--resume", default=None, help="resume a conversation saved with /save")
@@ -57,8 +64,12 @@ def main(argv=None):
         from .cli import run_cli
 
         args = cli_args(argv)
+        try:
+            profile = profiles.flags(args.kv_profile, args.kv_bytes_like, args.kv_max_kl, DEFAULT_PRESET)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
         return run_cli(dict(models=[args.model], preset=args.kv_preset, max_tokens=args.max_tokens,
-                            temp=args.temp), resume=args.resume)
+                            temp=args.temp, profile=profile), resume=args.resume)
     parser = arg_parser()
     ours, rest = parser.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:

@@ -40,7 +40,8 @@ def run_cli(engine_kwargs, resume=None, inp=input, out=sys.stdout):
             print(f"error: {e}", file=out)
             return 1
         print(f"resumed {len(messages)} messages from {resume}", file=out)
-    print(f"{eng.name}, KV preset {eng.preset}. {HELP}", file=out, flush=True)
+    kv = f"KV preset {eng.preset}" if eng.profile[0] is None else f"KV widths from {eng.profile[0]}"
+    print(f"{eng.name}, {kv}. {HELP}", file=out, flush=True)
     while True:
         try:
             line = inp("> ")

@@ -39,10 +39,12 @@ def check_preset(preset):
 
 class Engine:
     def __init__(self, models=(None,), preset=DEFAULT_PRESET, max_tokens=512, temp=0.0,
-                 loaded=None):
+                 loaded=None, profile=(None, None, None)):
         """models: --model values (None = embedded); the first is loaded.
-        loaded: an already loaded (model, tokenizer) for models[0] (tests)."""
+        loaded: an already loaded (model, tokenizer) for models[0] (tests).
+        profile: (--kv-profile, --kv-bytes-like, --kv-max-kl), per-layer widths instead of the preset's."""
         self.specs = {model_id(s): s for s in models}
+        self.profile = profile
         self.default_max_tokens, self.default_temp = max_tokens, temp
         self.model = self.tokenizer = self.name = self._identity = None
         self.preset = check_preset(preset)
@@ -68,7 +70,11 @@ class Engine:
             self.new_chat()
 
     def new_chat(self):
-        self.cache = make_cache(self.model, self.preset)
+        if self.profile[0] is not None:
+            path, bytes_like, max_kl = self.profile
+            self.cache = make_cache(self.model, profile=path, bytes_like=bytes_like, max_kl=max_kl)
+        else:
+            self.cache = make_cache(self.model, self.preset)
         self.tokens = []  # token ids held by the cache, in order
         self.messages = []  # the conversation the cache holds (for saving)
         self.last = {"tps": 0.0, "prompt_tps": 0.0, "prefilled": 0, "reused": 0}

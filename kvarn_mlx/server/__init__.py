@@ -3,7 +3,9 @@
 This runs mlx_lm.server itself (its flags, endpoints and behaviour: chat and
 text completions, streaming, tools, stop words, logprobs, batching, the LRU
 prompt cache), with:
-- every KV cache it makes built by kvarn_mlx.make_cache (--kv-preset, --kv-sink);
+- every KV cache it makes built by kvarn_mlx.make_cache (--kv-preset, --kv-sink;
+  --kv-profile with --kv-bytes-like or --kv-max-kl: per-layer widths, which
+  /v1/kv_stats shows as kv_widths);
   KVarN caches merge into batches, so requests are batched;
 - the embedded default model when --model is omitted;
 - GET /v1/models (and /v1/models/ID): the served model and the Hugging Face

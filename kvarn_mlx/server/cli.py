@@ -11,6 +11,7 @@ import mlx_lm.server as mlx_server
 from .. import budget
 from ..cli_support import flag
 from ..config import DEFAULT_PRESET, FP16, PRESETS, preset_error
+from ..profile import from_settings
 from . import hooks
 from .handler import APIHandler
 
@@ -28,6 +29,14 @@ def arg_parser():
                         "mlx-lm's own cache (then mlx-lm's --kv-bits applies)")
     g.add_argument("--kv-sink", type=int, default=None,
                    help="leading tokens kept unquantized (default: the preset's, one tile)")
+    g.add_argument("--kv-profile", default=None, metavar="PROFILE.json",
+                   help="per-layer key and value widths from this model's calibration profile "
+                        "(python -m kvarn_mlx.calibrate) instead of --kv-preset's")
+    g.add_argument("--kv-bytes-like", default=None, metavar="PRESET",
+                   help=f"with --kv-profile: at most this preset's bytes, the least predicted KL "
+                        f"(default {DEFAULT_PRESET})")
+    g.add_argument("--kv-max-kl", type=float, default=None, metavar="KL",
+                   help="with --kv-profile: the fewest bytes whose predicted KL (nats) is at most this")
     g.add_argument("--max-kv-bytes", type=size_flag, default=None, metavar="SIZE",
                    help="the most KV bytes one request's cache may hold (e.g. 2GB): a longer prompt is refused, "
                         "and a request stops (finish_reason length) before its cache could grow past it")
@@ -40,6 +49,15 @@ def arg_parser():
     g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV})")
     return p
+
+
+def profile_error(settings):
+    """What is wrong with --kv-profile, --kv-bytes-like, --kv-max-kl (None if they work)."""
+    try:
+        from_settings(settings, DEFAULT_PRESET)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def size_flag(text):
@@ -62,6 +80,8 @@ def main(argv=None, handler=APIHandler, parser=None):
         parser.error(f"--kv-preset: {preset_error(ours.kv_preset)}")
     elif ours.kv_sink is not None and ours.kv_sink < 0:
         parser.error(f"--kv-sink {ours.kv_sink}: must be >= 0")
+    elif profile_error(ours):
+        parser.error(profile_error(ours))
     elif ours.kv_preset != FP16 and any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest):
         parser.error("--kv-bits is mlx-lm's own quantized cache (one request at a time); this server "
                      f"quantizes with KVarN: use --kv-preset (or --kv-preset {FP16} --kv-bits N for mlx-lm's)")

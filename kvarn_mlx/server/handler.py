@@ -15,6 +15,9 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import mlx_lm.server as mlx_server
 
 from .. import guard
+from ..config import DEFAULT_PRESET
+from ..integration import profile_mix
+from ..profile import from_settings
 from . import http_io, request_fields, served_models
 
 STATS_PATH = "/v1/kv_stats"
@@ -134,8 +137,19 @@ class APIHandler(mlx_server.APIHandler):
         request = parse_qs(url.query).get("request", [None])[-1]
         stats = self.stats.report(request)
         stats.update(kv_preset=self.settings.kv_preset, kv_sink=self.settings.kv_sink,
-                     model=self.response_generator.cli_args.model)
+                     model=self.response_generator.cli_args.model, **self.kv_widths())
         self.send_json(stats)
+
+
+    def kv_widths(self):
+        """With --kv-profile: the profile and the per-layer widths chosen from it
+        (None until the model is loaded)."""
+        profile = from_settings(self.settings, DEFAULT_PRESET)
+        if profile[0] is None:
+            return {}
+        model = getattr(getattr(self.response_generator, "model_provider", None), "model", None)
+        return {"kv_profile": profile[0],
+                "kv_widths": None if model is None else profile_mix(model, *profile)[0].summary()}
 
 
 class PromptRecorder:

@@ -28,8 +28,9 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from .. import budget
 from ..batch_cache import BatchKVarNCache
-from ..config import FP16, get_preset
+from ..config import DEFAULT_PRESET, FP16, get_preset
 from ..integration import make_cache
+from ..profile import from_settings
 from .stats import KVStats
 
 MLX_LM_PRIVATE = {
@@ -46,28 +47,33 @@ MLX_LM_PRIVATE = {
 # -- caches ---------------------------------------------------------------------------
 
 
-def cache_factory(preset, sink=None, provider=None):
+def cache_factory(preset, sink=None, provider=None, profile=(None, None, None)):
     """mlx-lm's make_prompt_cache(model, max_kv_size=None), building KVarN
-    caches (preset "fp16": mlx-lm's own caches). The draft model of speculative
-    decoding keeps mlx-lm's plain cache: it only proposes tokens."""
-    if preset == FP16:
+    caches (preset "fp16": mlx-lm's own caches; profile: (--kv-profile,
+    --kv-bytes-like, --kv-max-kl), per-layer widths instead of the preset's).
+    The draft model of speculative decoding keeps mlx-lm's plain cache: it only
+    proposes tokens."""
+    if preset == FP16 and profile[0] is None:
         return mlx_cache.make_prompt_cache
-    config = get_preset(preset, sink=sink)
+    config = get_preset(preset, sink=sink) if profile[0] is None else None
 
     def make_prompt_cache(model, max_kv_size=None):
         if max_kv_size is not None:
             raise ValueError("KVarN caches have no maximum size (max_kv_size); leave it unset")
         if provider is not None and model is provider.draft_model:
             return mlx_cache.make_prompt_cache(model)
+        if config is None:
+            path, bytes_like, max_kl = profile
+            return make_cache(model, profile=path, bytes_like=bytes_like, max_kl=max_kl, sink=sink)
         return make_cache(model, config)
 
     return make_prompt_cache
 
 
-def install_caches(preset, sink, provider=None):
+def install_caches(preset, sink, provider=None, profile=(None, None, None)):
     """Rebind make_prompt_cache where mlx_lm.server and mlx_lm.generate (for its
     BatchGenerator) look it up."""
-    make_prompt_cache = cache_factory(preset, sink, provider)
+    make_prompt_cache = cache_factory(preset, sink, provider, profile)
     mlx_server.make_prompt_cache = make_prompt_cache
     sys.modules["mlx_lm.generate"].make_prompt_cache = make_prompt_cache
 
@@ -190,7 +196,7 @@ def install(settings, handler_class):
     """Rebind the names mlx_lm.server looks up, so its own main() runs on KVarN
     caches, with run() below serving handler_class (handler.APIHandler or a
     subclass) with these settings."""
-    install_caches(settings.kv_preset, settings.kv_sink)
+    install_caches(settings.kv_preset, settings.kv_sink, profile=from_settings(settings, DEFAULT_PRESET))
     mlx_server.run = lambda host, port, provider: run(host, port, provider, settings, handler_class)
 
 
@@ -199,7 +205,7 @@ def run(host, port, model_provider, settings, handler_class):
     --prompt-cache-bytes as well as --prompt-cache-size), generator and handler,
     and one KVStats they share."""
     stats = KVStats()
-    install_caches(settings.kv_preset, settings.kv_sink, model_provider)
+    install_caches(settings.kv_preset, settings.kv_sink, model_provider, from_settings(settings, DEFAULT_PRESET))
     mlx_server.BatchGenerator = functools.partial(BatchGenerator, stats=stats)
     mlx_server.stream_generate = functools.partial(stream_generate, stats=stats)
     args = model_provider.cli_args

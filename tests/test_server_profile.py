@@ -1,0 +1,35 @@
+"""python -m kvarn_mlx.server --kv-profile: per-layer widths from a calibration
+profile, shown by /v1/kv_stats; bad profile flags stop it before it loads."""
+
+import json
+import subprocess
+import sys
+
+from mlx_lm import load
+
+from kvarn_mlx.integration import profile_mix
+from test_mix import synthetic
+from test_server_mlx import ROOT, TIMEOUT, client, get, model_dir, server  # noqa: F401 (model_dir: a fixture)
+
+
+def test_served_caches_take_the_profile_widths(model_dir, tmp_path):
+    model = load(str(model_dir))[0]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(synthetic(model)))
+    want = profile_mix(model, str(path), "auto2")[0].summary()
+    with server(model_dir, "--kv-profile", str(path), "--kv-bytes-like", "auto2") as (url, _):
+        reply = client(url).chat.completions.create(
+            model="default_model", messages=[{"role": "user", "content": "hello " * 200}], max_tokens=4)
+        assert reply.usage.completion_tokens >= 1
+        stats = get(url + "/v1/kv_stats")
+    assert stats["kv_profile"] == str(path)
+    assert stats["kv_widths"] == want
+
+
+def test_bad_profile_flags_stop_the_server(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvarn_mlx.server", *a], cwd=ROOT,
+                                    capture_output=True, text=True, timeout=TIMEOUT)
+    r = run("--kv-max-kl", "0.01")
+    assert r.returncode == 2 and "pass --kv-profile" in r.stderr
+    r = run("--kv-profile", str(tmp_path / "none.json"))
+    assert r.returncode == 2 and "no profile file" in r.stderr
