@@ -127,3 +127,20 @@ def test_calibrate_cli_refuses_bad_arguments_before_loading(tmp_path):
 def test_calibrate_refuses_a_measure_window_without_quantized_tiles(llama, text_file):
     with pytest.raises(ValueError, match="--measure"):
         C.calibrate(llama, tokenizer(), source=text_file, start=0, tokens=300, measure=256, chunk=128)
+
+
+@pytest.mark.slow
+def test_embedded_model_profile_drives_make_cache(tmp_path):
+    """The CLI on the embedded SmolLM2 (two widths, a short text): replayed, and
+    its profile gives make_cache per-layer widths for that model only."""
+    from kvarn_mlx.loader import load
+
+    out = tmp_path / "smollm2.json"
+    C.main(["--out", str(out), "--tokens", "512", "--measure", "256", "--widths", "2,4"])
+    p = P.read(out)
+    assert p["mode"] == "replay" and len(p["layers"]) == 30
+    model, _ = load(None)
+    caches = make_cache(model, profile=str(out), bytes_like="k4v4_g128")
+    assert {(c.config.k_bits, c.config.v_bits) for c in caches} <= {(2, 2), (2, 4), (4, 2), (4, 4)}
+    with pytest.raises(P.ProfileError, match="not on the model loaded now"):
+        make_cache(tiny_model("llama64"), profile=str(out), bytes_like="auto4v2")
