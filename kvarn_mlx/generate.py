@@ -26,7 +26,7 @@ from . import profile as profiles
 from .cli_support import INTERRUPTED, CtrlC, load_error, model_context
 from .cache import KVarNCache
 from .integration import make_cache, profile_mix
-from .config import DEFAULT_PRESET, FP16, PRESETS, get_preset, preset_error
+from .config import DEFAULT_PRESET, FP16, PRESETS, preset_error
 from .prompt_cache import PromptCacheError
 
 DEFAULT_PROMPT = "hello"
