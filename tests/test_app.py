@@ -252,6 +252,7 @@ def test_bad_input_leaves_server_up(server):
 # -- the page in headless Chromium ------------------------------------------
 
 
+@pytest.mark.e2e
 def test_page_end_to_end(server):
     if CHROMIUM is None:
         pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")

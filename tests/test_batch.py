@@ -410,6 +410,7 @@ def test_batch_generate_on_the_embedded_model(smollm):
     print(f"near ties: {ties} of {len(prompts)} prompts")
 
 
+@pytest.mark.emulator
 def test_metal_kernels_run_per_row(monkeypatch):
     # The rows' decode steps reach the Metal attention kernel (a device, or the MSL
     # emulator on Linux) and give the ops path's tokens.

@@ -10,6 +10,8 @@ from model_folder import tiny_model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.e2e
+
 
 def _load(name):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")

@@ -8,6 +8,7 @@ s the bytes of one stored scale (2 for float16/bfloat16, 4 for float32, 1 for fp
 
 import mlx.core as mx
 import pytest
+from grid import diagonal, grid
 
 from kvarn_mlx.cache import KVarNCache
 from kvarn_mlx.config import FP8_MAX_BITS, SUPPORTED_BITS, KVarNConfig
@@ -23,9 +24,12 @@ def pairs(D, scale_dtype):
                 yield kb, vb
 
 
-@pytest.mark.parametrize("scale_dtype", sorted(SCALE_BYTES))
-@pytest.mark.parametrize("G", (64, 128))
-@pytest.mark.parametrize("D", (64, 80, 96, 128, 256))
+DIMS, GROUPS, SCALES = (64, 80, 96, 128, 256), (64, 128), sorted(SCALE_BYTES)
+
+
+# Each case checks every width pair. By default every head dim, tile size and scale
+# dtype once; the other combinations: -m slow.
+@pytest.mark.parametrize("D,G,scale_dtype", grid(DIMS, GROUPS, SCALES, covering=diagonal(DIMS, GROUPS, SCALES)))
 def test_tile_bytes_per_token_are_the_layout_formula(D, G, scale_dtype):
     B, H, n = 1, 2, 2
     s = SCALE_BYTES[scale_dtype]

@@ -10,6 +10,8 @@ from model_folder import tiny_model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.e2e
+
 
 def test_decode_speed_quick(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_decode_speed", ROOT / "benchmarks" / "decode_speed.py")

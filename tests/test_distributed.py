@@ -23,7 +23,7 @@ LAUNCH = shutil.which("mlx.launch") or os.path.join(os.path.dirname(sys.executab
 TIMEOUT = 240
 PRESET = ["--kv-preset", "k4v2_g64", "--kv-sink", "16"]
 
-pytestmark = pytest.mark.skipif(not os.path.exists(LAUNCH), reason="mlx.launch is not installed")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not os.path.exists(LAUNCH), reason="mlx.launch is not installed")]
 
 GENERATE = """
 import json, sys

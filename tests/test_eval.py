@@ -208,6 +208,7 @@ def test_attention_modes_give_the_same_numbers(model):
     ["--attention", "packed", "accumulation", "--context", "384", "--methods", "auto2,konly2,mlxq2"],
     ["decode", "--prompt-len", "160", "--steps", "24", "--methods", "kivi2,kvarn2", "--text", "topics", "--prompts", "2"],
 ])
+@pytest.mark.e2e
 def test_cli_end_to_end(model, tmp_path, argv):
     main(["--out", str(tmp_path), "--tag", "t", *argv], model=model, tokenizer=Bytes(), model_name="tiny llama64")
     stem = next(a for a in argv if a in ("fidelity", "accumulation", "decode")) + "_t"

@@ -44,6 +44,7 @@ def test_plain_cache_against_itself_differs_by_rounding_only(tiny):
     assert np.max(r["kl"]) < 1e-5 and r["kl"][0] == 0
 
 
+@pytest.mark.e2e
 def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
     model, tok = tiny
     argv = ["--out", str(tmp_path), "--tag", "t", "longgen", "--methods", "k2v2_g128,mlxq4", "--steps", "300",
@@ -77,7 +78,11 @@ def test_prompt_count_checked(tiny, tmp_path):
         main(["--out", str(tmp_path), "longgen", "--prompts", "99"], model=model, tokenizer=tok)
 
 
-@pytest.mark.parametrize("method", ["k2v2_g128", "auto4v2", "mlxq4"])
+# k2v2_g128 (steps of many tokens over tiles) by default. With -m slow: auto4v2, whose
+# steps are one token (test_step_ends holds that), and mlxq4, an mlx-lm cache (its
+# step ends: test_step_ends; its longgen run: test_cli_end_to_end_and_resume).
+@pytest.mark.parametrize("method", ["k2v2_g128", pytest.param("auto4v2", marks=pytest.mark.slow),
+                                    pytest.param("mlxq4", marks=pytest.mark.slow)])
 def test_steps_ending_at_tiles_read_what_one_token_decoding_reads(tiny, method):
     from kvarn_mlx.eval.decode import _forced, _greedy
     from kvarn_mlx.eval.methods import make_caches

@@ -109,6 +109,7 @@ def test_summary_counts_and_interval():
     assert s["m"]["within_fp_interval"] == (lo <= 0.7 <= hi)
 
 
+@pytest.mark.e2e
 def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
     folder, model, tok = tiny
     ck = tmp_path / "ck.jsonl"

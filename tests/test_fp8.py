@@ -201,6 +201,7 @@ def _emulated(mslemu):
         yield
 
 
+@pytest.mark.emulator
 @pytest.mark.parametrize("kb, vb, L", [(4, 2, 1), (3, 3, 4), (2, 4, 2)])
 def test_metal_attention_reads_fp8_scales(kb, vb, L):
     rng = np.random.default_rng([kb, vb, L])
@@ -218,6 +219,7 @@ def test_metal_attention_reads_fp8_scales(kb, vb, L):
     assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
 
 
+@pytest.mark.emulator
 def test_metal_quantization_of_fp8_scales_is_an_announced_fallback(caplog):
     x = mx.array(np.random.default_rng(3).standard_normal((2, 64, 64)).astype(np.float32))
     dispatch._logged.clear()

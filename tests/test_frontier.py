@@ -5,6 +5,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from model_folder import tiny_model_folder
 
 from kvarn_mlx.eval.__main__ import main as eval_main
@@ -39,6 +41,7 @@ def test_status_and_choices():
     assert f.choose(pts, plain=320, near_lossless_kl=1e-3, usable_kl=0.2)["most_context"] == "k4v4_g128"
 
 
+@pytest.mark.e2e
 def test_frontier_end_to_end(tmp_path):
     folder = tiny_model_folder(tmp_path / "model")
     out = tmp_path / "results"

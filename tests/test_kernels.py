@@ -34,13 +34,15 @@ from kvarn_mlx import reference as ref
 from kvarn_mlx.attention import attend, attend_view
 from kvarn_mlx.tiles import StepView, Tiles, append
 import metal_emulator
+from grid import diagonal, grid
 from refcheck import ITERS, MAX_MISMATCH, SCALE_RTOL, TIE, ref_candidates, rel_err
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NATIVE = metal_emulator.NATIVE  # a real Metal device
 mslemu = None if NATIVE else metal_emulator.load()
 
-pytestmark = pytest.mark.skipif(not NATIVE and mslemu is None, reason=metal_emulator.SKIP_REASON)
+pytestmark = [pytest.mark.emulator,
+              pytest.mark.skipif(not NATIVE and mslemu is None, reason=metal_emulator.SKIP_REASON)]
 
 ATT_TOL = 2e-5
 ATT_TOL_HALF = 4e-3
@@ -134,10 +136,15 @@ def _quant_fn(kind):
 
 # Tile quantization -------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ("k", "v"))
-@pytest.mark.parametrize("bits", (2, 3, 4, 5, 6, 8))
-@pytest.mark.parametrize("G", (64, 128))
-@pytest.mark.parametrize("D", (64, 128, 256))
+KERNEL_DIMS, KERNEL_GROUPS, BITS, KINDS = (64, 128, 256), (64, 128), (2, 3, 4, 5, 6, 8), ("k", "v")
+# Each case builds its own kernel. By default every head dim, tile size and width once,
+# each as keys and as values (D = 256 with G = 128: the 512-thread threadgroups);
+# the other combinations: -m slow.
+QUANT_GRID = grid(KERNEL_DIMS, KERNEL_GROUPS, BITS, KINDS,
+                  covering=[(*c, k) for c in diagonal(KERNEL_DIMS, KERNEL_GROUPS, BITS) for k in KINDS])
+
+
+@pytest.mark.parametrize("D,G,bits,kind", QUANT_GRID)
 def test_quantize_matches_reference(D, G, bits, kind):
     rng = np.random.default_rng([D, G, bits, kind == "k"])
     x = mx.array(tiles(rng, G, D))
@@ -348,10 +355,17 @@ def _small_run(kb=4, vb=2, G=64):
     return x, kq, vq, q, c, got
 
 
-@pytest.fixture(scope="module", params=SMALL, ids=lambda p: "k{}v{}_g{}".format(*p))
-def small_baseline(request):
-    with metal():
-        return request.param, _small_run(*request.param)
+@pytest.fixture(scope="module")
+def small_baseline():
+    """The plain emulated run of a SMALL configuration, run once when first asked for."""
+    runs = {}
+
+    def get(config):
+        if config not in runs:
+            with metal():
+                runs[config] = _small_run(*config)
+        return runs[config]
+    return get
 
 
 MODES = {
@@ -361,13 +375,21 @@ MODES = {
     "random": dict(order="random", seed=1234),
     "tg_poison": dict(tg_poison=1, out_poison=1, strict_barrier=1),
 }
+# By default every mode once and every configuration at least once: address sanitizer and
+# poisoned memory on codes that straddle words (G = 128 packed in two passes), thread
+# sanitizer (the slowest) on the first configuration, thread orders on k6v8; all 15 pairs
+# with -m slow.
+MODE_GRID = grid(SMALL, list(MODES), ids=lambda c: "k{}v{}_g{}-{}".format(*c[0], c[1]), covering=[
+    ((3, 5, 128), "asan+ubsan"), ((4, 2, 64), "tsan"), ((3, 5, 128), "tg_poison"),
+    ((6, 8, 64), "reverse"), ((6, 8, 64), "random")])
 
 
 @pytest.mark.skipif(NATIVE, reason="emulator modes; natively the main tests cover the kernels")
-@pytest.mark.parametrize("mode", list(MODES))
-def test_emulator_bug_hunting_modes(mode, small_baseline, monkeypatch):
+@pytest.mark.parametrize("config,mode", MODE_GRID)
+def test_emulator_bug_hunting_modes(config, mode, small_baseline, monkeypatch):
     monkeypatch.delenv("LD_PRELOAD", raising=False)  # sanitizer runtimes must load first in the kernel process
-    (kb, vb, G), (bx, bkq, bvq, bq, bc, bgot) = small_baseline
+    kb, vb, G = config
+    bx, bkq, bvq, bq, bc, bgot = small_baseline(config)
     with metal(**MODES[mode]):
         x, kq, vq, q, c, got = _small_run(kb, vb, G)
     # Same bits whatever the thread order or instrumentation.
@@ -470,7 +492,8 @@ def _greedy(model, caches, prompt, n):
     return out, gaps
 
 
-@pytest.mark.parametrize("rotate_keys", [True, "auto"])
+# "auto" runs by default: its layers hold rotated and plain kv heads side by side.
+@pytest.mark.parametrize("rotate_keys", [pytest.param(True, marks=pytest.mark.slow), "auto"])
 def test_greedy_generation_same_tokens_with_kernels(monkeypatch, rotate_keys):
     """32 greedy tokens through kvarn_mlx's own dispatch with the kernels on (tile
     quantization and decode attention) equal the ops path's. Prefill (L > 8) stays

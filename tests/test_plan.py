@@ -18,6 +18,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import _get_classes
 
 import archmodels
+from grid import grid
 from kvarn_mlx import plan
 from kvarn_mlx.integration import make_cache
 from kvarn_mlx.config import PRESETS
@@ -144,17 +145,28 @@ def test_unevaluated_caches_hold_what_evaluated_ones_do():
 
 
 CONFIGS = {"smollm2": None, "gemma3": GEMMA3, "qwen3": QWEN3}
+SMALL = {"smollm2": 2, "gemma3": 6, "qwen3": 2}  # layers in the evaluated runs
 
 
 def config_of(name, smollm2):
     return smollm2 if name == "smollm2" else CONFIGS[name]
 
 
-@pytest.mark.parametrize("model", CONFIGS)
-def test_bytes_per_token_match_measured_caches(model, smollm2):
+# Bytes are per layer: by default each config cut to a few layers (small) checks the same
+# rules; the full-size configs (smollm2 30 layers, qwen3 36) run with -m slow.
+SIZES = grid(CONFIGS, ("small", "full"), covering=[(m, "small") for m in CONFIGS], ids="-".join)
+
+
+def sized(model, size, smollm2):
+    cfg = config_of(model, smollm2)
+    return cfg if size == "full" else small(cfg, SMALL[model])
+
+
+@pytest.mark.parametrize("model,size", SIZES)
+def test_bytes_per_token_match_measured_caches(model, size, smollm2):
     # Between two prompts whose chunks fill whole room steps, tiles and prefill chunks,
     # the bytes added per token are the marginal rate, to the byte.
-    cfg = config_of(model, smollm2)
+    cfg = sized(model, size, smollm2)
     n1, n2 = 4096, 8192
     checked = 0
     for name, c in plans(cfg).items():
@@ -173,11 +185,14 @@ def test_bytes_per_token_match_measured_caches(model, smollm2):
     assert plans(cfg)[f"plain ({cfg['torch_dtype']})"].per_token == 2 * full * H * D * itemsize
 
 
-SMALL = {"smollm2": 2, "gemma3": 6, "qwen3": 2}  # layers in the evaluated runs
+# By default every cache and every config once, plain on both the windowed (gemma3) and the
+# float32 (smollm2, all-decoding run) config; the other pairs: -m slow.
+PEAK_GRID = grid(["plain", "mlx-lm 4-bit", "k4v2_g128", "k4v2_g64", "auto2"], CONFIGS, ids="-".join, covering=[
+    ("plain", "gemma3"), ("plain", "smollm2"), ("mlx-lm 4-bit", "qwen3"), ("k4v2_g128", "qwen3"),
+    ("k4v2_g64", "smollm2"), ("auto2", "gemma3")])
 
 
-@pytest.mark.parametrize("model", CONFIGS)
-@pytest.mark.parametrize("cache", ["plain", "mlx-lm 4-bit", "k4v2_g128", "k4v2_g64", "auto2"])
+@pytest.mark.parametrize("cache,model", PEAK_GRID)
 def test_peak_bytes_are_the_most_any_prompt_length_gives(model, cache, smollm2):
     # Evaluated caches, a few layers, several tiles: over prompts of different lengths
     # (then decoding), no run holds more than the planner says at any point up to n,
@@ -214,13 +229,13 @@ def worst_runs(n, step, S, G):
     return [(r, n) for r in runs] + [(chunks(boundary - G + 1, step), boundary)]
 
 
-@pytest.mark.parametrize("model", CONFIGS)
-def test_longest_context_matches_measured_caches(model, smollm2):
-    # Full-size configs (unevaluated caches): with a KV budget of what the planner says
-    # 60K tokens take, measured caches fit at the planner's longest context whatever the
-    # prompt, and some prompt makes them exceed the budget 2% further. The prefill step
-    # matters only to sliding-window layers: one chunk elsewhere keeps this fast.
-    cfg = config_of(model, smollm2)
+@pytest.mark.parametrize("model,size", SIZES)
+def test_longest_context_matches_measured_caches(model, size, smollm2):
+    # Unevaluated caches: with a KV budget of what the planner says 60K tokens take,
+    # measured caches fit at the planner's longest context whatever the prompt, and some
+    # prompt makes them exceed the budget 2% further. The prefill step matters only to
+    # sliding-window layers: one chunk elsewhere keeps this fast.
+    cfg = sized(model, size, smollm2)
     step = 8192 if model == "gemma3" else 10**6
     for name, c in plans(cfg, prefill=step).items():
         if c.error:

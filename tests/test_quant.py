@@ -16,6 +16,7 @@ import pytest
 
 from kvarn_mlx import quant
 from kvarn_mlx import reference as ref
+from grid import diagonal, grid
 from refcheck import ITERS, MAX_MISMATCH, SCALE_RTOL, TIE, ref_candidates, rel_err
 
 DIMS = (64, 80, 96, 128, 256)
@@ -146,10 +147,14 @@ def _report(label, stats):
 
 # MLX ops vs reference --------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ("k", "v"))
-@pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("G", GROUPS)
-@pytest.mark.parametrize("D", DIMS)
+KINDS = ("k", "v")
+# Every head dim, tile size and width once, each as keys and as values; (80, 128, 3, "v")
+# is the refused case (value rows that do not fill uint32 words). The rest: -m slow.
+OPS_GRID = grid(DIMS, GROUPS, BITS, KINDS,
+                covering=[(*c, kind) for c in diagonal(DIMS, GROUPS, BITS) for kind in KINDS])
+
+
+@pytest.mark.parametrize("D,G,bits,kind", OPS_GRID)
 def test_ops_match_reference(D, G, bits, kind):
     rng = np.random.default_rng([D, G, bits, kind == "k"])
     x = mx.array(batch(rng, G, D))
@@ -211,10 +216,16 @@ def _tol(x, y_abs):
     return 1e-5 * y_abs + 1e-6
 
 
-@pytest.mark.parametrize("scale_dtype", ("float16", "float32"))
-@pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("G", GROUPS)
-@pytest.mark.parametrize("D", (64, 80, 128, 256))
+SCALE_DTYPES = ("float16", "float32")
+
+
+def matmul_grid(dims):
+    """Every head dim, tile size and width once, with each scale dtype; the rest -m slow."""
+    return grid(dims, GROUPS, BITS, SCALE_DTYPES,
+                covering=[(*c, s) for c in diagonal(dims, GROUPS, BITS) for s in SCALE_DTYPES])
+
+
+@pytest.mark.parametrize("D,G,bits,scale_dtype", matmul_grid((64, 80, 128, 256)))
 def test_key_scores_via_quantized_matmul(D, G, bits, scale_dtype):
     rng = np.random.default_rng([D, G, bits])
     k = mx.array(batch(rng, G, D, tiles=2)[:3])  # [3, 2, 2, G, D] tiles
@@ -237,10 +248,7 @@ def _v_group(D):
     return next((g for g in (128, 64, 32) if D % g == 0), None)
 
 
-@pytest.mark.parametrize("scale_dtype", ("float16", "float32"))
-@pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("G", GROUPS)
-@pytest.mark.parametrize("D", (64, 96, 128, 256))
+@pytest.mark.parametrize("D,G,bits,scale_dtype", matmul_grid((64, 96, 128, 256)))
 def test_value_output_via_quantized_matmul(D, G, bits, scale_dtype):
     rng = np.random.default_rng([D, G, bits, 1])
     v = mx.array(batch(rng, G, D, tiles=2)[:3])

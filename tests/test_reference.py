@@ -4,6 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from grid import diagonal, grid
 from kvarn_mlx import reference as ref
 
 DIMS = (64, 80, 96, 128, 256)
@@ -241,9 +242,12 @@ def test_bytes_table(D, G):
     assert round(fp16 / _tile_nbytes(k, v, 2, 2), 2) == r22
 
 
-@pytest.mark.parametrize("kbits", BITS)
-@pytest.mark.parametrize("vbits", BITS)
-@pytest.mark.parametrize("D", (64, 96, 128, 256))
+# Every key width, value width and head dim once, keys and values at different widths;
+# the other combinations: -m slow.
+LAYOUT_GRID = grid(BITS, BITS, (64, 96, 128, 256), covering=diagonal(BITS, BITS[1:] + BITS[:1], (64, 96, 128, 256)))
+
+
+@pytest.mark.parametrize("kbits,vbits,D", LAYOUT_GRID)
 def test_bytes_every_width_is_the_layout_formula(kbits, vbits, D):
     # docs/algorithm.md, "Storage and bytes per token": D*G*(kb+vb)/8 + 3*(D+G)*s, s = 2.
     G = 128

@@ -105,6 +105,7 @@ def test_ops_path_hands_quantized_matmul_views_of_the_storage(ops_path, monkeypa
 mslemu = None if metal_emulator.NATIVE else metal_emulator.load()
 
 
+@pytest.mark.emulator
 @pytest.mark.skipif(not metal_emulator.NATIVE and mslemu is None, reason=metal_emulator.SKIP_REASON)
 def test_kernel_gets_the_storage_arrays_themselves(monkeypatch):
     """The decode kernel is passed the tile storage whole (capacity > valid
