@@ -26,6 +26,7 @@ from test_server_mlx import TIMEOUT, free_port, get
 openai = pytest.importorskip("openai")
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e
 ONES = {"33": 100}  # logit_bias: the reply is "1" repeated
 USER = [{"role": "user", "content": "Count with me."}]
 

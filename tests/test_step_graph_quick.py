@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
 from model_folder import tiny_model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +45,7 @@ def test_metal_graph_stands_in_one_primitive_per_kernel_and_fast_op():
     assert mx.fast.rms_norm(x, w, 1e-5).shape == x.shape and sg.primitives(mx.fast.rms_norm(x, w, 1e-5))[0] == ops
 
 
+@pytest.mark.e2e
 def test_step_graph_quick(tmp_path):
     sg = _load()
     folder = tiny_model_folder(tmp_path / "model")
@@ -72,6 +74,7 @@ def test_step_graph_quick(tmp_path):
     assert "python benchmarks/step_graph.py --quick" in md and md.count("\n| ") == 1 + len(data["rows"])
 
 
+@pytest.mark.e2e
 def test_step_graph_quick_batch(tmp_path):
     # --rows: sequences of different lengths joined by mlx-lm's merge, decoding together.
     sg = _load()
