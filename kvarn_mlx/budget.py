@@ -2,8 +2,8 @@
 
 Between steps, the bytes the cache holds now (memory.cache_bytes, measured
 from its arrays) plus the most the next step of L tokens could allocate must
-fit the budget. The most a step allocates per layer comes from the planner's
-byte models (plan.py), the caches' own growth rules measured on real caches:
+fit the budget. The most a step allocates per layer comes from the byte
+models (byte_models.py), the caches' own growth rules measured on real caches:
   KVCache, QuantizedKVCache,  one room step (`step` tokens) per `step` tokens
   RotatingKVCache             of the step, rounded up
   KVarNCache                  one growth of the tile storage (step_tiles tiles, or the
@@ -18,7 +18,8 @@ bytes held; the copy a growing buffer makes is released at the end of the step.
 import logging
 import math
 
-from . import memory, plan
+from . import byte_models, memory
+from .byte_models import human, longest_context
 from .cache import KVarNCache
 
 
@@ -29,8 +30,8 @@ class BudgetExceeded(Exception):
 def parse_size(text):
     """'2GB', '512MiB', '1.5G', '1e9' -> bytes (K/M/G/T are powers of 1024); ValueError naming the fix."""
     try:
-        n = plan.parse_bytes(text)
-    except plan.PlanError as e:
+        n = byte_models.parse_bytes(text)
+    except byte_models.PlanError as e:
         raise ValueError(str(e)) from None
     if n <= 0:
         raise ValueError(f"{text!r} is no room at all; give a positive size, e.g. 2GB or 512MiB")
@@ -38,7 +39,7 @@ def parse_size(text):
 
 
 def _kind(c):
-    """A cache layer's kind in the planner's terms (see plan.byte_model)."""
+    """A cache layer's kind in the planner's terms (see byte_models.byte_model)."""
     if isinstance(c, KVarNCache):
         return c.config
     bits = getattr(c, "bits", None)
@@ -50,9 +51,9 @@ def step_allocation(m, L):
 
     Also bounds two one-token steps by L = 2: they cross at most one room step
     (KVCache, tail buffer) and one tile-storage growth."""
-    if isinstance(m, (plan.Steps, plan.Window)):
+    if isinstance(m, (byte_models.Steps, byte_models.Window)):
         return m.token_bytes * m.step * math.ceil(L / m.step)
-    if isinstance(m, plan.Tiles):
+    if isinstance(m, byte_models.SinkTilesTail):
         tiles = max(m.step_tiles, L // m.group + 2)
         # Sink and tail hold tokens in the model's dtype; a step puts at most
         # S + G of its tokens there (the rest goes into tiles), and a new tail
@@ -65,10 +66,10 @@ def step_allocation(m, L):
 class KVBudget:
     """The budget of one model's cache (the list make_cache or a prompt-cache file gave)."""
 
-    def __init__(self, model, cache, max_bytes, prefill_step_size=plan.PREFILL_STEP_SIZE):
+    def __init__(self, model, cache, max_bytes, prefill_step_size=byte_models.PREFILL_STEP_SIZE):
         self.cache, self.max_bytes = cache, max_bytes
-        layers = plan.model_layers(model)  # lazy: nothing is computed
-        flat = [c for c, _ in plan._flat(cache)]
+        layers = byte_models.model_layers(model)  # lazy: nothing is computed
+        flat = [c for c, _ in byte_models.flat_caches(cache)]
         if len(flat) != len(layers):
             raise ValueError(f"the cache has {len(flat)} layers, the model {len(layers)}")
         built = {}
@@ -76,7 +77,7 @@ class KVBudget:
         for layer, c in zip(layers, flat):
             key = (layer, _kind(c))
             if key not in built:
-                built[key] = plan.byte_model(*key, prefill_step_size)
+                built[key] = byte_models.byte_model(*key, prefill_step_size)
             self.models.append(built[key])
 
     def held(self):
@@ -93,9 +94,9 @@ class KVBudget:
         if held + more > self.max_bytes:
             tokens = max((int(getattr(c, "offset", 0)) for c in self.cache), default=0)
             raise BudgetExceeded(
-                f"the KV cache holds {held:,} bytes ({plan.human(held)}) for {tokens} tokens, and the next "
+                f"the KV cache holds {held:,} bytes ({human(held)}) for {tokens} tokens, and the next "
                 f"{L} token{'s' if L > 1 else ''} could add up to {more:,} bytes "
-                f"({plan.human(more)}): beyond the budget of {self.max_bytes:,} bytes ({plan.human(self.max_bytes)})")
+                f"({human(more)}): beyond the budget of {self.max_bytes:,} bytes ({human(self.max_bytes)})")
 
 
 def fit_tokens(kv, n, max_tokens):
@@ -106,11 +107,11 @@ def fit_tokens(kv, n, max_tokens):
     if peak(n + 1) > kv.max_bytes:
         raise BudgetExceeded(
             f"--max-kv-bytes: the {n}-token prompt does not fit: its KV cache could hold up to {peak(n + 1):,} "
-            f"bytes ({plan.human(peak(n + 1))}), beyond the budget of {kv.max_bytes:,} bytes "
-            f"({plan.human(kv.max_bytes)}). Shorten the prompt, or start the server with a larger "
+            f"bytes ({human(peak(n + 1))}), beyond the budget of {kv.max_bytes:,} bytes "
+            f"({human(kv.max_bytes)}). Shorten the prompt, or start the server with a larger "
             "--max-kv-bytes or a smaller --kv-preset (python -m kvarn_mlx.plan shows what fits)")
     if peak(n + max_tokens) <= kv.max_bytes:
         return max_tokens
-    fit = plan.longest_context(peak, 1, kv.max_bytes) - n
+    fit = longest_context(peak, 1, kv.max_bytes) - n
     logging.warning(f"--max-kv-bytes: a {n}-token prompt may generate {fit} tokens, not {max_tokens}")
     return fit

@@ -1,86 +1,49 @@
 """python -m kvarn_mlx.plan: how much context fits in memory, per KV cache.
 
 For a model (its config.json and its weight files' sizes; the weights are never
-read) and a memory budget, prints the weights' bytes, the KV cache's bytes per
-token and the longest context that fits, for mlx-lm's plain cache, its 8- and
-4-bit QuantizedKVCache and each KVarN preset. `--context N` says which fit N tokens.
+read, model_info.py) and a memory budget, prints the weights' bytes, the KV cache's
+bytes per token and the longest context that fits, for mlx-lm's plain cache, its 8-
+and 4-bit QuantizedKVCache and each KVarN preset. `--context N` says which fit N tokens.
 
-Bytes come from the caches themselves. The model's mlx-lm class is built lazily
-(no weight is computed or allocated) to make its prompt cache and push one token
-through it: that gives every layer's cache class, kv heads, head dims and dtype.
-Small caches of those classes and shapes are then filled and asked for nbytes
-(shapes fix nbytes, so nothing is computed either), and the caches' growth rules
-carry the bytes to any context:
-  KVCache, QuantizedKVCache  room added `step` (256) tokens at a time: up to
-                             step - 1 tokens of room
-  RotatingKVCache            at most the window while decoding; while a prompt
-                             longer than the window is prefilled, window - 1 plus
-                             one prefill chunk
-  KVarNCache                 the sink, the tiles plus up to step_tiles - 1 tiles of
-                             room, and a tail buffer rounded up to tail_step tokens
-  other (recurrent) caches   the fixed state the model made for one token
-Room depends on the order the tokens came in (prompt chunks, decode steps); the
-planner counts the most any order leaves, so a context that "fits" fits whatever
-the prompt's length.
+Bytes come from the caches themselves (byte_models.py): the model's mlx-lm class is
+built lazily to make its prompt cache and push one token through it, which gives every
+layer's cache class, kv heads, head dims and dtype; small real caches of those classes
+and shapes give each layer's growth rule. Room depends on the order the tokens came in
+(prompt chunks, decode steps); the planner counts the most any order leaves, so a
+context that "fits" fits whatever the prompt's length.
 """
 
 import argparse
 import json
 import logging
 import os
-import re
 import sys
 import textwrap
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import (
-    ArraysCache,
-    CacheList,
-    KVCache,
-    QuantizedKVCache,
-    RotatingKVCache,
-    make_prompt_cache,
-)
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
+from .byte_models import (
+    DTYPES,
+    MLX_KV_GROUP_SIZE,
+    PREFILL_STEP_SIZE,
+    PlanError,
+    byte_model,
+    flat_caches,
+    human,
+    longest_context,
+    model_layers,
+    parse_bytes,
+)
 from .cache import KVarNCache
 from .config import PRESETS
+from .model_info import config_dtype, lazy_model, parameter_bytes, read_model
 
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 MLX_KV_BITS = (8, 4)
-MLX_KV_GROUP_SIZE = 64  # mlx_lm.generate's --kv-group-size default
-PREFILL_STEP_SIZE = 2048  # mlx_lm.generate's prefill_step_size default
 # Activations of a prefill chunk and the runtime: a stated allowance, not a
 # measurement (override with --overhead). It does not grow with the context.
 DEFAULT_OVERHEAD = "1GiB"
-
-
-class PlanError(ValueError):
-    pass
-
-
-# -- sizes -----------------------------------------------------------------------------
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def parse_bytes(text):
-    """'24GB', '24G', '24GiB', '512MB', '1e9' -> bytes. K/M/G/T are powers of 1024
-    (a "24GB" Mac has 24 x 2^30 bytes)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
-    if not m:
-        raise PlanError(f"cannot read {text!r} as a size; write e.g. 24GB, 1.5GiB or 512MB")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
-
-def human(n):
-    """Bytes as B/KiB/MiB/GiB/TiB."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def machine_budget():
@@ -95,334 +58,7 @@ def machine_budget():
     return ram, "this machine's RAM"
 
 
-# -- the model: config and weight sizes ------------------------------------------------
-
-
-@dataclass
-class ModelInfo:
-    name: str
-    config: dict
-    weights_bytes: int | None  # None: count the model's parameters
-    weights_source: str
-
-
-def _weight_files(names):
-    """The .safetensors files mlx-lm loads (model*.safetensors), or all of them."""
-    st = [n for n in names if n.endswith(".safetensors")]
-    return [n for n in st if Path(n).name.startswith("model")] or st
-
-
-def read_folder(path, name=None):
-    """A local folder with config.json; without .safetensors files the weights'
-    bytes are counted from the model's parameters."""
-    path = Path(path).expanduser()
-    if not (path / "config.json").is_file():
-        raise PlanError(f"{path} has no config.json; pass a model folder, a Hugging Face repo id, or omit --model")
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except ValueError as e:
-        raise PlanError(f"{path / 'config.json'} is not valid JSON: {e}") from e
-    files = _weight_files([p.name for p in path.iterdir()])
-    if not files:
-        return ModelInfo(name or str(path), config, None, "counted from the model's parameters: no .safetensors files")
-    size = sum((path / f).stat().st_size for f in files)
-    return ModelInfo(name or str(path), config, size, f"{len(files)} .safetensors file(s) in {path}")
-
-
-def read_hub(repo):
-    """config.json and the weight files' sizes of a Hugging Face repo (not the weights);
-    falls back to a copy in the local Hugging Face cache when the Hub cannot be reached."""
-    from huggingface_hub import HfApi, hf_hub_download, try_to_load_from_cache
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
-
-    try:
-        config = json.loads(Path(hf_hub_download(repo, "config.json")).read_text())
-        info = HfApi().model_info(repo, files_metadata=True)
-    except GatedRepoError as e:
-        raise PlanError(f"{repo} is gated on the Hugging Face Hub: accept its terms on the website and log in "
-                        "with `hf auth login`") from e
-    except RepositoryNotFoundError as e:
-        raise PlanError(f"no model {repo} on the Hugging Face Hub and no local folder {repo}") from e
-    except Exception as e:  # offline mode, DNS, connection and HTTP errors of any hub client version
-        cached = try_to_load_from_cache(repo, "config.json")
-        if isinstance(cached, str):
-            try:
-                return read_folder(Path(cached).parent, repo)
-            except PlanError:
-                pass
-        raise PlanError(
-            f"could not read {repo}'s config.json and file sizes from the Hugging Face Hub (no network?) "
-            f"[{type(e).__name__}: {e}], and no downloaded copy is cached. Pass a local model folder that has "
-            "config.json, or omit --model to plan for the embedded default model (HF_HUB_OFFLINE=1 skips the "
-            "Hub's retries)") from e
-    sizes = {s.rfilename: s.size for s in info.siblings}
-    files = _weight_files(list(sizes))
-    if not files or any(sizes[f] is None for f in files):
-        raise PlanError(f"{repo} lists no .safetensors weights with sizes on the Hugging Face Hub (mlx-lm loads only "
-                        ".safetensors)")
-    return ModelInfo(repo, config, sum(sizes[f] for f in files), f"{len(files)} .safetensors file(s) on the Hub")
-
-
-def read_model(model=None):
-    """ModelInfo for None (the embedded default), an embedded model's name
-    (embedded:<key>), a local folder or a Hub repo id."""
-    if model is None:
-        from .loader import DEFAULT_NAME, default_model_path
-
-        return read_folder(default_model_path(), DEFAULT_NAME)
-    if Path(model).expanduser().exists():
-        return read_folder(model)
-    from . import loader
-
-    try:
-        path = loader.embedded_path(model)  # converted once, as generate and the server do
-    except loader.ModelLoadError as e:
-        raise PlanError(str(e)) from None
-    if path is not None:
-        return read_folder(path, path.name)
-    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model):
-        raise PlanError(f"no such model folder: {model}. Pass a folder with config.json, a Hugging Face repo id "
-                        "(owner/name), or omit --model for the embedded default model")
-    return read_hub(model)
-
-
-def config_dtype(config):
-    """The dtype the model computes in (and so its KV cache's), from config.json."""
-    for c in (config, config.get("text_config") or {}):
-        name = c.get("torch_dtype") or c.get("dtype")
-        if isinstance(name, str) and name in DTYPES:
-            return name
-    return None
-
-
-# -- the model's caches -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Layer:
-    """One cache layer of the model as mlx-lm makes it."""
-
-    kind: str  # "kv" (KVCache), "window" (RotatingKVCache) or "state" (anything fixed-size)
-    heads: int = 0
-    k_dim: int = 0
-    v_dim: int = 0
-    dtype: str = ""
-    window: int = 0
-    keep: int = 0
-    state_bytes: int = 0
-    top_level: bool = True  # not inside a CacheList (mlx-lm's --kv-bits quantizes only top-level caches)
-    cls: str = ""
-
-
-def lazy_model(config, dtype):
-    """The model's mlx-lm class built from its config in `dtype`. Parameters are lazy
-    arrays: their shapes exist, nothing is computed or allocated."""
-    from .mlx_lm_private import model_classes
-
-    try:
-        model_cls, args_cls = model_classes(config)
-        model = model_cls(args_cls.from_dict(config))
-    except Exception as e:
-        raise PlanError(f"mlx-lm cannot build model type {config.get('model_type')!r} from this config.json: {e}") from e
-    model.set_dtype(DTYPES[dtype])
-    return model
-
-
-def parameter_bytes(model, config):
-    """Bytes of the model's parameters (quantized as config.json's "quantization" says)."""
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-
-    q = config.get("quantization")
-    if isinstance(q, dict) and "bits" in q:
-        nn.quantize(model, group_size=q.get("group_size", 64), bits=q["bits"], mode=q.get("mode", "affine"))
-    params = tree_flatten(model.parameters())
-    if config.get("tie_word_embeddings", True):
-        # Some classes keep an lm_head until load() sees no lm_head weights (a tied head).
-        params = [(k, x) for k, x in params if "lm_head" not in k.split(".")]
-    return sum(x.nbytes for _, x in params)
-
-
-def _flat(caches):
-    """(cache, top level?) for every cache layer, CacheList members in order."""
-    for c in caches:
-        if isinstance(c, CacheList):
-            yield from ((m, False) for m in c.caches)
-        else:
-            yield c, True
-
-
-def model_layers(model):
-    """The model's cache layers: its prompt cache after one token went through the
-    model (lazily: nothing is evaluated)."""
-    caches = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=caches)
-    layers = []
-    for c, top in _flat(caches):
-        name = type(c).__name__
-        if type(c) in (KVCache, RotatingKVCache):
-            _, H, _, Dk = c.keys.shape
-            kv = dict(heads=H, k_dim=Dk, v_dim=c.values.shape[-1], dtype=str(c.keys.dtype).split(".")[-1],
-                      top_level=top, cls=name)
-            if type(c) is KVCache:
-                layers.append(Layer("kv", **kv))
-            else:
-                layers.append(Layer("window", window=c.max_size, keep=c.keep, **kv))
-        elif isinstance(c, ArraysCache):
-            layers.append(Layer("state", state_bytes=c.nbytes, top_level=top, cls=name))
-        else:
-            raise PlanError(f"the planner does not know how a {name} layer grows (it knows KVCache, RotatingKVCache "
-                            "and fixed-size recurrent caches)")
-    return layers
-
-
-# -- bytes of one layer at n tokens, from real caches ------------------------------------
-
-
-def _round_up(n, step):
-    return -(-n // step) * step
-
-
-@dataclass(frozen=True)
-class Steps:
-    """KVCache, QuantizedKVCache: room is added `step` tokens at a time, after
-    cutting the buffer back to the tokens held; a chunk that arrives off a step
-    boundary (a second prompt, a decode step after it) leaves up to step - 1 tokens of room."""
-
-    token_bytes: int
-    step: int
-
-    per_token = property(lambda self: self.token_bytes)
-
-    def peak(self, n):
-        return self.token_bytes * (n + self.step - 1) if n else 0
-
-
-@dataclass(frozen=True)
-class Window:
-    """RotatingKVCache: decoding holds at most the window (room added `step` tokens
-    at a time below it); a prefill chunk of L tokens past the window is appended to
-    the newest window - 1 tokens, so it holds up to window - 1 + prefill tokens."""
-
-    token_bytes: int
-    window: int
-    step: int
-    prefill: int
-
-    per_token = 0
-
-    def peak(self, n):
-        if n == 0:
-            return 0
-        return self.token_bytes * max(min(n + self.step - 1, self.window), min(n, self.window - 1 + self.prefill))
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """KVarNCache: sink tokens, tiles of `group` tokens with up to step_tiles - 1
-    tiles of room, and a tail buffer of fewer than `group` tokens grown tail_step at a time."""
-
-    sink_token_bytes: int
-    tile_bytes: int
-    tail_step_bytes: int
-    sink: int
-    group: int
-    step_tiles: int
-    tail_step: int
-
-    per_token = property(lambda self: self.tile_bytes / self.group)
-
-    def held(self, n):
-        s = min(n, self.sink)
-        tiles, tail = divmod(n - s, self.group)
-        capacity = tiles + self.step_tiles - 1 if tiles else 0
-        return s * self.sink_token_bytes + capacity * self.tile_bytes + self.tail_step_bytes * (
-            _round_up(tail, self.tail_step) // self.tail_step)
-
-    def peak(self, n):
-        """The most held at any count up to n: the tail empties into a tile at every
-        tile boundary, so the previous boundary's full tail may hold more than now."""
-        tiles = max(0, n - self.sink) // self.group
-        if tiles == 0:
-            return self.held(n)
-        return max(self.held(n), self.held(self.sink + tiles * self.group - 1))
-
-
-@dataclass(frozen=True)
-class Fixed:
-    nbytes: int
-
-    per_token = 0
-
-    def peak(self, n):
-        return self.nbytes
-
-
-def _feed(cache, layer, n):
-    """Append n tokens of zero keys/values of the layer's shape (lazy: nothing is
-    computed) and return the bytes the cache holds."""
-    dt = DTYPES[layer.dtype]
-    cache.update_and_fetch(mx.zeros((1, layer.heads, n, layer.k_dim), dt),
-                           mx.zeros((1, layer.heads, n, layer.v_dim), dt))
-    return cache.nbytes
-
-
-def steps_of(make, layer):
-    """Bytes of one room step, read from two sizes of a real cache."""
-    c = make()
-    one = _feed(c, layer, c.step)
-    two = _feed(c, layer, c.step)
-    return Steps((two - one) // c.step, c.step)
-
-
-def window_of(layer, prefill):
-    """Bytes per token of a RotatingKVCache, read from two sizes (prompt chunks are
-    concatenated without room)."""
-    c = RotatingKVCache(max_size=layer.window, keep=layer.keep)
-    two = _feed(c, layer, 2)
-    four = _feed(c, layer, 2)
-    return Window((four - two) // 2, layer.window, c.step, prefill)
-
-
-def tiles_of(config, layer):
-    """Sink, tile and tail bytes of a KVarNCache, read from real caches at a few sizes."""
-    S, G, step = config.sink_size, config.group_size, KVarNCache.step_tiles
-
-    def held(*chunks):
-        c = KVarNCache(config)
-        for n in chunks:
-            b = _feed(c, layer, n)
-        return b
-
-    sink = held(S) if S else 0
-    one_step = held(S + step * G)  # sink + step_tiles tiles, no room, empty tail
-    two_steps = held(S + step * G, step * G)
-    tail = held(S + step * G + 1) - one_step  # one tail step of room
-    return Tiles(sink // S if S else 0, (two_steps - one_step) // step, tail, S, G, step, KVarNCache.tail_step)
-
-
 # -- the caches compared ------------------------------------------------------------------
-
-
-def byte_model(layer, kind, prefill):
-    """The byte model of one layer whose cache is `kind`: "plain", mlx-lm's
-    QuantizedKVCache at that many bits (an int), or a KVarNConfig."""
-    if isinstance(kind, int):
-        if layer.k_dim % MLX_KV_GROUP_SIZE or layer.v_dim % MLX_KV_GROUP_SIZE:
-            raise ValueError(f"head dims {layer.k_dim}/{layer.v_dim} are not multiples of mlx-lm's "
-                             f"KV group size {MLX_KV_GROUP_SIZE}")
-        return steps_of(lambda: QuantizedKVCache(MLX_KV_GROUP_SIZE, kind), layer)
-    if kind != "plain":
-        try:
-            return tiles_of(kind, layer)
-        except ValueError as e:
-            raise ValueError(f"KVarNCache raises for {layer.heads} kv heads x head dims {layer.k_dim}/"
-                             f"{layer.v_dim}: {e}") from e
-    if layer.kind == "kv":
-        return steps_of(KVCache, layer)
-    if layer.kind == "window":
-        return window_of(layer, prefill)
-    return Fixed(layer.state_bytes)
 
 
 def _quiet_make_cache(model, preset):
@@ -440,7 +76,7 @@ def _quiet_make_cache(model, preset):
 def kvarn_kinds(model, preset):
     """Per cache layer (in model_layers' order): the preset's KVarNConfig where
     make_cache puts a KVarNCache, "plain" where it leaves the layer as it is."""
-    return [c.config if isinstance(c, KVarNCache) else "plain" for c, _ in _flat(_quiet_make_cache(model, preset))]
+    return [c.config if isinstance(c, KVarNCache) else "plain" for c, _ in flat_caches(_quiet_make_cache(model, preset))]
 
 
 def run_fails(model, caches, then=None):
@@ -540,25 +176,6 @@ def cache_plans(config, dtype, prefill=PREFILL_STEP_SIZE, model=None):
 
 
 # -- the plan --------------------------------------------------------------------------------
-
-
-def longest_context(peak, per_token, available):
-    """The most tokens n with peak(n) <= available; None when the cache stops growing."""
-    if peak(1) > available:
-        return 0
-    if per_token == 0:
-        return None if peak(2**40) <= available else _bisect(peak, available, 1, 2**40)
-    lo, hi = 1, 2
-    while peak(hi) <= available:
-        lo, hi = hi, hi * 2
-    return _bisect(peak, available, lo, hi)
-
-
-def _bisect(peak, available, lo, hi):
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if peak(mid) <= available else (lo, mid)
-    return lo
 
 
 def describe_layers(layers):

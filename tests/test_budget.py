@@ -7,12 +7,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-from kvarn_mlx import budget, generate, plan
+from kvarn_mlx import budget, byte_models, generate
 from kvarn_mlx.cache import KVarNCache
 from kvarn_mlx.config import KVarNConfig, get_preset
 from model_folder import tiny_model_folder
 
-LAYER = plan.Layer("kv", heads=2, k_dim=64, v_dim=64, dtype="float16")
+LAYER = byte_models.Layer("kv", heads=2, k_dim=64, v_dim=64, dtype="float16")
 KINDS = {
     "plain": (KVCache, "plain"),
     "mlx-lm 4-bit": (lambda: QuantizedKVCache(64, 4), 4),
@@ -42,7 +42,7 @@ def steps(seed):
 @pytest.mark.parametrize("name", KINDS)
 def test_no_step_adds_more_than_its_bound(name):
     make, kind = KINDS[name]
-    m = plan.byte_model(LAYER, kind, 2048)
+    m = byte_models.byte_model(LAYER, kind, 2048)
     worst = 0.0
     for seed in range(3):
         c, held = make(), 0
@@ -62,8 +62,8 @@ def test_no_step_adds_more_than_its_bound(name):
 
 
 def test_window_cache_bound():
-    layer = plan.Layer("window", heads=2, k_dim=64, v_dim=64, dtype="float16", window=300)
-    m = plan.byte_model(layer, "plain", 2048)
+    layer = byte_models.Layer("window", heads=2, k_dim=64, v_dim=64, dtype="float16", window=300)
+    m = byte_models.byte_model(layer, "plain", 2048)
     c, held = RotatingKVCache(max_size=300), 0
     for L in steps(5):
         now = feed(c, L)

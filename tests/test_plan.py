@@ -19,7 +19,7 @@ from mlx_lm.utils import _get_classes
 
 import archmodels
 from grid import grid
-from kvarn_mlx import plan
+from kvarn_mlx import byte_models, model_info, plan
 from kvarn_mlx.integration import make_cache
 from kvarn_mlx.config import PRESETS
 from models import tokens
@@ -37,7 +37,7 @@ GEMMA3 = dict(model_type="gemma3_text", hidden_size=640, num_hidden_layers=6, in
 @pytest.fixture(scope="module")
 def smollm2():
     """config.json of the embedded default model (llama, 30 layers, 3 kv heads, head dim 64, float32)."""
-    return plan.read_model(None).config
+    return model_info.read_model(None).config
 
 
 def small(config, layers):
@@ -59,7 +59,7 @@ def real_caches(config, cache):
         return make_prompt_cache(model)
     if cache.startswith("mlx-lm"):
         bits = int(cache.split()[1].split("-")[0])
-        return [QuantizedKVCache(plan.MLX_KV_GROUP_SIZE, bits) if type(c) is KVCache else c
+        return [QuantizedKVCache(byte_models.MLX_KV_GROUP_SIZE, bits) if type(c) is KVCache else c
                 for c in make_prompt_cache(model)]
     return make_cache(model, cache, iters=1)  # normalization iterations change values, not bytes
 
@@ -92,7 +92,7 @@ def run(caches, config, dtype, prompt, n, evaluate=False, seed=0):
     return peaks, total
 
 
-def chunks(n, step=plan.PREFILL_STEP_SIZE):
+def chunks(n, step=byte_models.PREFILL_STEP_SIZE):
     return [min(step, n - i) for i in range(0, n, step)]
 
 
@@ -104,11 +104,11 @@ def plans(config, **kw):
 
 
 def test_layers_come_from_the_model_class(smollm2):
-    layers = plan.model_layers(plan.lazy_model(smollm2, "float32"))
+    layers = byte_models.model_layers(model_info.lazy_model(smollm2, "float32"))
     assert len(layers) == 30 and {(l.kind, l.heads, l.k_dim, l.dtype) for l in layers} == {("kv", 3, 64, "float32")}
-    gemma = plan.model_layers(plan.lazy_model(GEMMA3, "bfloat16"))
+    gemma = byte_models.model_layers(model_info.lazy_model(GEMMA3, "bfloat16"))
     assert [(l.kind, l.window, l.heads, l.k_dim) for l in gemma] == [("window", 512, 1, 256)] * 5 + [("kv", 0, 1, 256)]
-    qwen = plan.model_layers(plan.lazy_model(QWEN3, "bfloat16"))
+    qwen = byte_models.model_layers(model_info.lazy_model(QWEN3, "bfloat16"))
     assert len(qwen) == 36 and {(l.kind, l.heads, l.k_dim, l.dtype) for l in qwen} == {("kv", 8, 128, "bfloat16")}
 
 
@@ -121,7 +121,7 @@ def test_hybrid_recurrent_layers_hold_a_fixed_state():
                shared_expert_intermediate_size=64, moe_intermediate_size=32, mlp_only_layers=[], rms_norm_eps=1e-6,
                vocab_size=256, rope_theta=1e4, partial_rotary_factor=0.25, max_position_embeddings=4096,
                torch_dtype="bfloat16")
-    layers = plan.model_layers(plan.lazy_model(cfg, "bfloat16"))
+    layers = byte_models.model_layers(model_info.lazy_model(cfg, "bfloat16"))
     assert [l.kind for l in layers] == ["state"] * 3 + ["kv"]
     p = plans(cfg)
     for name in ("plain (bfloat16)", "k4v2_g128"):
@@ -180,7 +180,7 @@ def test_bytes_per_token_match_measured_caches(model, size, smollm2):
         checked += 1
     assert checked == len(PRESETS) + 3 + (cfg["torch_dtype"] == "float32")
     H, D = kv_shape(cfg)
-    full = sum(1 for l in plan.model_layers(plan.lazy_model(cfg, cfg["torch_dtype"])) if l.kind == "kv")
+    full = sum(1 for l in byte_models.model_layers(model_info.lazy_model(cfg, cfg["torch_dtype"])) if l.kind == "kv")
     itemsize = 4 if cfg["torch_dtype"] == "float32" else 2
     assert plans(cfg)[f"plain ({cfg['torch_dtype']})"].per_token == 2 * full * H * D * itemsize
 
@@ -241,7 +241,7 @@ def test_longest_context_matches_measured_caches(model, size, smollm2):
         if c.error:
             continue
         kv_budget = c.peak(60_000)
-        n = plan.longest_context(c.peak, c.per_token, kv_budget)
+        n = byte_models.longest_context(c.peak, c.per_token, kv_budget)
         assert n >= 60_000
         preset = PRESETS.get(name)
         S, G = (preset.sink_size, preset.group_size) if preset else (128, 128)
@@ -303,9 +303,9 @@ def test_cli_bad_input(tmp_path, monkeypatch, capsys):
 
 
 def test_parse_bytes():
-    assert plan.parse_bytes("24GB") == plan.parse_bytes("24GiB") == plan.parse_bytes("24g") == 24 * 2**30
-    assert plan.parse_bytes("1.5GB") == 3 * 2**29 and plan.parse_bytes("512MB") == 2**29
-    assert plan.parse_bytes("1000") == 1000
+    assert byte_models.parse_bytes("24GB") == byte_models.parse_bytes("24GiB") == byte_models.parse_bytes("24g") == 24 * 2**30
+    assert byte_models.parse_bytes("1.5GB") == 3 * 2**29 and byte_models.parse_bytes("512MB") == 2**29
+    assert byte_models.parse_bytes("1000") == 1000
 
 
 def test_default_budget_is_this_machine():
@@ -329,7 +329,7 @@ def test_architectures_planned_from_their_real_caches(family):
     cfg = ARCH[family]
     model = archmodels.tiny_model(family)
     p = {c.name: c for c in plan.cache_plans(cfg, "float32")}
-    layers = plan.model_layers(plan.lazy_model(cfg, "float32"))
+    layers = byte_models.model_layers(model_info.lazy_model(cfg, "float32"))
     n = 128 + 2 * 128 + 50
     prompt = mx.array(tokens(n - 2, seed=3))[None]
     for name in ("plain (float32)", "mlx-lm 4-bit", "k4v2_g128", "k2v2_g128"):
@@ -337,7 +337,7 @@ def test_architectures_planned_from_their_real_caches(family):
         try:
             mx.eval(model(prompt, cache=caches))
             if name == "mlx-lm 4-bit":
-                maybe_quantize_kv_cache(caches, 0, plan.MLX_KV_GROUP_SIZE, 4)
+                maybe_quantize_kv_cache(caches, 0, byte_models.MLX_KV_GROUP_SIZE, 4)
             for t in (5, 6):
                 mx.eval(model(mx.array([[t]]), cache=caches))
         except NotImplementedError:
@@ -347,7 +347,7 @@ def test_architectures_planned_from_their_real_caches(family):
             assert p[name].error, f"{name}: the model raised with this cache ({e}) but the planner has numbers"
             continue
         assert not p[name].error, f"{name}: planned as not applicable ({p[name].error}) but the cache works"
-        flat = list(plan._flat(caches))
+        flat = list(byte_models.flat_caches(caches))
         assert len(flat) == len(layers) == len(p[name].models)
         for (c, _), layer, m in zip(flat, layers, p[name].models):
             if name.startswith("plain") and layer.kind != "state":
@@ -381,7 +381,7 @@ def test_hub_model_reads_config_and_file_sizes_only(tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
     monkeypatch.setattr(huggingface_hub, "HfApi", Api)
-    info = plan.read_model("Qwen/Qwen3-4B")
+    info = model_info.read_model("Qwen/Qwen3-4B")
     assert asked == ["config.json"] and info.config == QWEN3
     assert info.weights_bytes == 3_957_900_840 + 4_087_036_176 and "on the Hub" in info.weights_source
 
@@ -391,8 +391,8 @@ def test_hub_model_reads_config_and_file_sizes_only(tmp_path, monkeypatch):
         raise e
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", gated)
-    with pytest.raises(plan.PlanError, match="is gated on the Hugging Face Hub: .*`hf auth login`"):
-        plan.read_model("google/gemma-3-270m")
+    with pytest.raises(byte_models.PlanError, match="is gated on the Hugging Face Hub: .*`hf auth login`"):
+        model_info.read_model("google/gemma-3-270m")
 
 
 def test_embedded_model_names(capsys):
