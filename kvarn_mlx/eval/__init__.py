@@ -8,5 +8,8 @@
     decode.py        greedy decoding: first divergence, per-step KL
     longgen.py       long greedy generation from questions: KL, agreement, first divergence
     retrieval.py     passkey / multi-key needle retrieval by depth and context length
+    tasks.py         HumanEval pass@1 per cache, batched, paired against the plain cache
+    sandbox.py       running model-written code against its tests, fenced in
+    paired.py        exact paired statistics: McNemar, Clopper-Pearson difference interval
     __main__.py      the command line
 """

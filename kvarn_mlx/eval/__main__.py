@@ -12,6 +12,9 @@ Subcommands
                 KL on the plain cache's trajectory, top-1 agreement, first divergence.
   retrieval     passkey and multi-key needle-in-a-haystack: accuracy by needle
                 depth and context length, with 95% intervals and heat maps.
+  tasks         HumanEval pass@1 per cache through batched generation, each
+                answer tested in a sandbox; the paired difference to the plain
+                cache with an exact 95% interval, alone or after a long context.
 
 By default (--attention dequant) the model sees each quantized cache as a plain
 one holding its dequantized K/V, and mlx-lm's attention
@@ -27,10 +30,10 @@ mlx-lm's quantized attention for mlxqB).
 import argparse
 import sys
 
-from . import accumulation, decode, fidelity, longgen, methods, retrieval
+from . import accumulation, decode, fidelity, longgen, methods, retrieval, tasks
 from .runner import ATTENTION_MODES, meta_markdown, metadata, write_results
 
-EXPERIMENTS = {m.NAME: m for m in (fidelity, accumulation, decode, longgen, retrieval)}
+EXPERIMENTS = {m.NAME: m for m in (fidelity, accumulation, decode, longgen, retrieval, tasks)}
 
 
 def setup_arg_parser():

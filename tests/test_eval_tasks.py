@@ -1,0 +1,201 @@
+"""python -m kvarn_mlx.eval tasks: the sandbox, the exact paired statistics,
+answer parsing, and the command end to end on a tiny model (2 problems)."""
+
+import json
+import time
+
+import pytest
+
+from kvarn_mlx.eval import paired, sandbox, tasks
+from kvarn_mlx.eval.__main__ import main
+from model_folder import tiny_model_folder
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return tasks.load_problems()
+
+
+# -- exact statistics ------------------------------------------------------------------------------
+
+
+def test_clopper_pearson_known_values():
+    # Closed forms: 0 of n -> upper 1 - (alpha/2)^(1/n); n of n -> lower (alpha/2)^(1/n).
+    assert paired.clopper_pearson(0, 10) == pytest.approx((0.0, 1 - 0.025 ** 0.1), abs=1e-9)
+    assert paired.clopper_pearson(10, 10) == pytest.approx((0.025 ** 0.1, 1.0), abs=1e-9)
+    # Tabulated (R's binom.test): 5 of 10, 1 of 10, 7 of 20.
+    assert paired.clopper_pearson(5, 10) == pytest.approx((0.187086, 0.812914), abs=1e-6)
+    assert paired.clopper_pearson(1, 10) == pytest.approx((0.002529, 0.445016), abs=1e-6)
+    assert paired.clopper_pearson(7, 20) == pytest.approx((0.153909, 0.592189), abs=1e-6)
+    assert paired.clopper_pearson(0, 0) == (0.0, 1.0)
+
+
+def test_mcnemar_exact_p():
+    assert paired.mcnemar_p(1, 9) == pytest.approx(2 * 11 / 1024)  # 2 P(X <= 1), X ~ binomial(10, 1/2)
+    assert paired.mcnemar_p(5, 5) == 1.0 and paired.mcnemar_p(0, 0) == 1.0
+    assert paired.mcnemar_p(0, 6) == pytest.approx(2 / 64)
+
+
+def test_paired_difference():
+    # 20 problems: 12 both right, 1 lost, 5 gained, 2 both wrong.
+    ref = [True] * 12 + [True] + [False] * 5 + [False] * 2
+    got = [True] * 12 + [False] + [True] * 5 + [False] * 2
+    d = paired.paired_difference(ref, got)
+    assert (d["n"], d["lost"], d["gained"], d["difference"]) == (20, 1, 5, pytest.approx(0.2))
+    lo, hi = paired.clopper_pearson(5, 6)
+    assert d["interval"] == pytest.approx((6 / 20 * (2 * lo - 1), 6 / 20 * (2 * hi - 1)))
+    assert d["interval"][0] < 0 < d["interval"][1]  # 5 against 1 is not significant
+    assert d["p_value"] == pytest.approx(2 * 7 / 64)
+    same = paired.paired_difference(ref, ref)
+    assert same["difference"] == 0 and same["interval"] == (0.0, 0.0) and same["p_value"] == 1.0
+    with pytest.raises(ValueError, match="different lengths"):
+        paired.paired_difference([True], [True, False])
+
+
+# -- the sandbox -----------------------------------------------------------------------------------
+
+
+def test_canonical_solution_passes_and_a_wrong_one_fails(problems):
+    p = problems[0]
+    assert len(problems) == 164
+    assert sandbox.run(tasks.program(p, p["canonical_solution"])).passed
+    wrong = sandbox.run(tasks.program(p, "    return False\n"))
+    assert wrong.status == "failed" and "AssertionError" in wrong.output
+
+
+def test_sandbox_kills_an_infinite_loop():
+    t = time.perf_counter()
+    out = sandbox.run("while True:\n    pass\n", timeout=1.0)
+    assert out.status == "timeout" and time.perf_counter() - t < 5
+
+
+def test_sandbox_limits_memory():
+    out = sandbox.run("x = bytearray(3 << 30)\nprint('allocated')\n", memory_bytes=1 << 30)
+    assert out.status == "failed" and "MemoryError" in out.output
+
+
+def test_sandbox_blocks_the_network():
+    out = sandbox.run("import socket\ns = socket.socket()\nprint('connected')\n")
+    assert out.status == "failed" and "network is disabled" in out.output and "connected" not in out.output
+    out = sandbox.run("import socket\nsocket.create_connection(('pypi.org', 443), timeout=2)\n")
+    assert out.status == "failed" and "network is disabled" in out.output
+
+
+def test_sandbox_blocks_files_outside_its_folder(tmp_path):
+    outside = tmp_path / "outside.txt"
+    out = sandbox.run(f"open({str(outside)!r}, 'w').write('x')\n")
+    assert out.status == "failed" and "only files in the sandbox folder" in out.output
+    assert not outside.exists()
+    keep = tmp_path / "keep.txt"
+    keep.write_text("mine")
+    for code in [f"import os\nos.remove({str(keep)!r})", f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
+                 f"import os\nos.system('rm {keep}')", "import subprocess\nsubprocess.run(['true'])"]:
+        assert sandbox.run(code).status == "failed", code
+    assert keep.read_text() == "mine"
+    # Inside its own folder a program may write and read back.
+    assert sandbox.run("open('scratch.txt', 'w').write('ok')\nassert open('scratch.txt').read() == 'ok'\n").passed
+
+
+# -- prompts and answers ---------------------------------------------------------------------------
+
+
+def test_program_takes_a_whole_function_or_a_body(problems):
+    p = problems[2]  # truncate_number
+    whole = "Here it is:\n```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n```\nDone."
+    assert sandbox.run(tasks.program(p, whole)).passed
+    assert sandbox.run(tasks.program(p, "    return number % 1.0\n")).passed
+    assert sandbox.run(tasks.program(p, "```python\ndef truncate_number(number):\n    return 0.0\n```")).status == "failed"
+    assert tasks.extract_code("```py\nx = 1\n") == "x = 1\n"  # an answer cut off inside its block
+
+
+def test_select():
+    probs = [{"task_id": f"HumanEval/{i}"} for i in range(164)]
+    assert [p["task_id"] for p in tasks.select(probs, "2")] == ["HumanEval/0", "HumanEval/1"]
+    assert [p["task_id"] for p in tasks.select(probs, "10:12")] == ["HumanEval/10", "HumanEval/11"]
+    for bad in ("0", "5:5", "160:170", "x"):
+        with pytest.raises(ValueError, match="--problems"):
+            tasks.select(probs, bad)
+
+
+# -- end to end ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from kvarn_mlx.loader import load
+
+    folder = tiny_model_folder(tmp_path_factory.mktemp("models") / "tiny")
+    return load(str(folder))
+
+
+def test_prompt_parts_share_the_context(tiny, problems):
+    _, tok = tiny
+    context = tasks.context_ids(tok, 300)
+    shared0, own0 = tasks.prompt_parts(tok, problems[0], None)
+    shared1, own1 = tasks.prompt_parts(tok, problems[1], context)
+    shared2, _ = tasks.prompt_parts(tok, problems[2], context)
+    assert len(context) == 300 and shared0 == [] and shared1 == shared2
+    assert tok.decode(own0).startswith("<|im_start|>") and "has_close_elements" in tok.decode(own0)
+    assert tok.decode(own1).startswith("Complete the following") and tok.decode(own1).endswith("assistant\n")
+    text = tok.decode(shared1)
+    assert "for context" in text and text.endswith("\n```\n\n") and "argparse" in text
+
+
+def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
+    model, tok = tiny
+    ck = tmp_path / "ck.jsonl"
+    argv = ["--out", str(tmp_path), "--tag", "t", "tasks", "--methods", "k4v2_g128,mlxq4", "--problems", "2",
+            "--prefix", "0,300", "--max-tokens", "6", "--batch", "2", "--checkpoint", str(ck)]
+    res = main(argv, model=model, tokenizer=tok, model_name="tiny")
+    assert res["methods"] == ["fp", "k4v2_g128", "mlxq4"] and len(ck.read_text().splitlines()) == 2 * 3 * 2
+    for prefix in ("0", "300"):
+        for m, recs in res["results"][prefix].items():
+            assert [r["task_id"] for r in recs] == ["HumanEval/0", "HumanEval/1"]
+            assert all(r["answer_tokens"] <= 6 and r["status"] in ("passed", "failed") for r in recs)
+    # Alone, the KVarN cache quantizes a tile of the ~200-token prompt at most; after 300 more, at
+    # least two (the copied context's); mlx-lm's cache quantizes every token.
+    alone, after = res["results"]["0"], res["results"]["300"]
+    assert all(r["quantized_tokens"] == 0 for r in alone["fp"] + after["fp"])
+    assert all(r["quantized_tokens"] >= 256 for r in after["k4v2_g128"])
+    assert all(r["quantized_tokens"] >= r["prompt_tokens"] + r["answer_tokens"] - 1 for r in alone["mlxq4"])
+    assert after["k4v2_g128"][0]["prompt_tokens"] > alone["k4v2_g128"][0]["prompt_tokens"] + 300
+    s = res["summary"]["0"]["k4v2_g128"]
+    assert s["problems"] == 2 and 0 <= s["pass_at_1"] <= 1
+    md = (tmp_path / "tasks_t.md").read_text()
+    assert "## the problem alone" in md and "## after 300 tokens of unrelated Python source" in md
+    assert "| k4v2_g128 | 4/2 |" in md and (tmp_path / "tasks_humaneval_t.png").exists()
+    saved = json.loads((tmp_path / "tasks_t.json").read_text())
+    assert saved["meta"]["command"].startswith("python -m kvarn_mlx.eval") and saved["result"]["summary"]
+    # A second run takes every problem from the checkpoint; more problems run only the new one.
+    monkeypatch.setattr(tasks, "generate", lambda *a, **k: pytest.fail("generated a finished problem again"))
+    again = main(argv, model=model, tokenizer=tok, model_name="tiny")
+    assert again["results"] == res["results"]
+    with pytest.raises(pytest.fail.Exception, match="generated a finished problem again"):
+        main([*argv[:8], "3", *argv[9:]], model=model, tokenizer=tok, model_name="tiny")
+
+
+@pytest.mark.slow
+def test_embedded_model_answers_in_code(smollm, tmp_path):
+    # SmolLM2-135M rarely passes HumanEval; what this checks is the real path: chat-template prompts, batched
+    # KVarN and plain caches, answers that are Python functions, a context of 1,024 tokens prefilled once.
+    import ast
+
+    model, tok = smollm
+    res = main(["--out", str(tmp_path), "tasks", "--methods", "auto4v2", "--problems", "3", "--prefix", "0,1024",
+                "--max-tokens", "160", "--batch", "3"], model=model, tokenizer=tok, model_name="SmolLM2-135M")
+    for prefix in ("0", "1024"):
+        for m in ("fp", "auto4v2"):
+            recs = res["results"][prefix][m]
+            codes = [tasks.extract_code(r["answer"]) for r in recs]
+            assert sum("def " in c for c in codes) >= 2, [r["answer"] for r in recs]
+            parsed = 0
+            for c in codes:
+                try:
+                    ast.parse(c)
+                    parsed += 1
+                except SyntaxError:
+                    pass
+            assert parsed >= 1
+    after = res["results"]["1024"]["auto4v2"]
+    assert all(r["quantized_tokens"] >= 1024 - 128 - 127 for r in after)
+    print((tmp_path / "tasks.md").read_text())
