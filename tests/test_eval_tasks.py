@@ -166,6 +166,7 @@ def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
     assert "| k4v2_g128 | 4/2 |" in md and (tmp_path / "tasks_humaneval_t.png").exists()
     saved = json.loads((tmp_path / "tasks_t.json").read_text())
     assert saved["meta"]["command"].startswith("python -m kvarn_mlx.eval") and saved["result"]["summary"]
+    assert saved["meta"]["attention"] == "packed"
     # A second run takes every problem from the checkpoint; more problems run only the new one.
     monkeypatch.setattr(tasks, "generate", lambda *a, **k: pytest.fail("generated a finished problem again"))
     again = main(argv, model=model, tokenizer=tok, model_name="tiny")

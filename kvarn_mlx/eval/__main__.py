@@ -64,7 +64,8 @@ def main(argv=None, model=None, tokenizer=None, model_name=None):
         model, tokenizer = load(args.model)
         model_name = args.model or "SmolLM2-135M-Instruct (embedded, float32)"
     meta = metadata(model_name, "python -m kvarn_mlx.eval " + " ".join(argv))
-    meta["attention"] = args.attention
+    # An experiment that always takes one path (tasks: the batched, packed one) says so.
+    meta["attention"] = getattr(EXPERIMENTS[args.cmd], "ATTENTION", args.attention)
     result, md, draw = EXPERIMENTS[args.cmd].run(args, model, tokenizer, names, meta_markdown(meta))
     write_results(args.out, args.cmd, args.tag, meta, result, md, draw)
     return result

@@ -50,6 +50,7 @@ from .runner import Progress, pyplot
 
 NAME = "tasks"
 HELP = "HumanEval pass@1 per cache (batched generation, tests in a sandbox), paired against the plain cache"
+ATTENTION = "packed"  # batched KVarN caches attend through the packed path whatever --attention says
 
 PROMPT_VERSION = 1  # bump when the prompt text or answer parsing changes
 ASK = ("Complete the following Python function. Answer with the whole function, with the imports it "
