@@ -141,6 +141,7 @@ def test_prompt_parts_share_the_context(tiny, problems):
     assert "for context" in text and text.endswith("\n```\n\n") and "argparse" in text
 
 
+@pytest.mark.e2e
 def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
     model, tok = tiny
     ck = tmp_path / "ck.jsonl"
@@ -176,6 +177,7 @@ def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_embedded_model_answers_in_code(smollm, tmp_path):
     # SmolLM2-135M rarely passes HumanEval; what this checks is the real path: chat-template prompts, batched
     # KVarN and plain caches, answers that are Python functions, a context of 1,024 tokens prefilled once.
