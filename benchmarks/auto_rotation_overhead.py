@@ -10,11 +10,11 @@ them is compared with the step's queries. This times that extra work per layer
 
 import argparse
 import platform
+import pydoc_data.topics
 import statistics
 import time
 
 import mlx.core as mx
-import pydoc_data.topics
 
 import kvarn_mlx
 from kvarn_mlx import rotation

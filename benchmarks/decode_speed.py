@@ -31,14 +31,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import QuantizedKVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvarn_mlx import dispatch, memory, quant  # noqa: E402
 from kvarn_mlx.cache import KVarNCache  # noqa: E402
-from kvarn_mlx.integration import make_cache  # noqa: E402
 from kvarn_mlx.config import get_preset  # noqa: E402
 from kvarn_mlx.eval.runner import Progress, meta_markdown, metadata, pyplot  # noqa: E402
+from kvarn_mlx.integration import make_cache  # noqa: E402
 
 METHODS = ("fp", "mlxq8", "mlxq4", "k8v8_g128", "k4v4_g128", "k4v2_g128", "k2v2_g128", "auto4v2")
 QUICK = dict(contexts="160,300", steps=2)

@@ -151,7 +151,7 @@ def chunks(a):
             print(f"{ctx:>8} {L:>6} {1e3 * t_p:>10.2f} {1e3 * t_d:>11.2f} {1e3 * t_f:>10.2f} "
                   f"{t_p / t_d:>11.2f} {t_d / t_f:>10.2f}", flush=True)
             cache.trim(L)
-            del K, V, view
+            K = V = view = None  # release this chunk's view before the next
     ok = [L for L in lengths if all(faster[x] for x in lengths if x >= L)]
     device = mx.default_device().type.name
     print(f"dequantized faster at every context from L = {ok[0] if ok else 'none measured'} on; "

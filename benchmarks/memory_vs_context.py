@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvarn_mlx import KVarNCache, get_preset
-from kvarn_mlx.eval.runner import metadata, meta_markdown, pyplot
+from kvarn_mlx.eval.runner import meta_markdown, metadata, pyplot
 
 HEADS, D, LAYERS = 8, 128, 36
 RESULTS = Path(__file__).parent / "results"

@@ -100,9 +100,9 @@ def main():
         preset, model_dir, out = args.run_one
         return run_one(args.tests, None if preset == "-" else preset, model_dir, out)
     sys.path.insert(0, str(ROOT / "tests"))
-    from model_folder import tiny_model_folder
-
     import mlx_lm
+
+    from model_folder import tiny_model_folder
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

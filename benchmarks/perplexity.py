@@ -11,12 +11,12 @@ counts.
 
 import argparse
 import math
+import pydoc_data.topics
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import pydoc_data.topics
 
 from kvarn_mlx.loader import load
 

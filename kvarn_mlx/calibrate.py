@@ -393,7 +393,7 @@ def main(argv=None):
             raise ValueError(f"--widths {args.widths}: use some of {', '.join(map(str, WIDTHS))}")
         profiles.check_writable(args.out)
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None
     from .loader import load
     from .prompt_cache import model_identity
 
@@ -404,7 +404,7 @@ def main(argv=None):
                       measure=args.measure, chunk=args.chunk, widths=widths, base=args.base,
                       batch=max(1, args.batch), identity=identity)
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None
     p["command"] = "python -m kvarn_mlx.calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
     profiles.write(args.out, p)
     worst = max(((e["layer"], s, kl) for e in p["layers"] for s in profiles.SIDES

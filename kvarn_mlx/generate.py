@@ -23,10 +23,10 @@ from mlx_lm.sample_utils import make_sampler
 
 from . import budget, memory, prompt_cache
 from . import profile as profiles
-from .cli_support import INTERRUPTED, CtrlC, load_error, model_context
 from .cache import KVarNCache
-from .integration import make_cache, profile_mix
+from .cli_support import INTERRUPTED, CtrlC, load_error, model_context
 from .config import DEFAULT_PRESET, FP16, PRESETS, preset_error
+from .integration import make_cache, profile_mix
 from .prompt_cache import PromptCacheError
 
 DEFAULT_PROMPT = "hello"

@@ -341,7 +341,15 @@ _QWEN2_SPLIT = (
 
 def _byte_level_bpe(metadata):
     """llama.cpp "gpt2" vocabularies: byte-level BPE with merges."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
 
     tokens = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]

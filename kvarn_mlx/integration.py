@@ -205,7 +205,7 @@ def profile_mix(model, profile, bytes_like=None, max_kl=None):
         st = path.stat()
     except OSError:
         raise profiles.ProfileError(f"no profile file at {path}; make one with python -m kvarn_mlx.calibrate "
-                                    f"--out {path}")
+                                    f"--out {path}") from None
     key = (id(model), str(path.resolve()), st.st_mtime_ns, st.st_size, bytes_like, max_kl)
     hit = _mixes.get(key)
     if hit is not None and hit[0]() is model:

@@ -79,7 +79,7 @@ def read(path) -> dict:
     try:
         p = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
-        raise ProfileError(f"{path} is not JSON ({e}); pass a file written by python -m kvarn_mlx.calibrate")
+        raise ProfileError(f"{path} is not JSON ({e}); pass a file written by python -m kvarn_mlx.calibrate") from None
     if not isinstance(p, dict) or p.get("format") != FORMAT:
         raise ProfileError(f"{path} is not a kvarn-mlx profile (no \"format\": \"{FORMAT}\"); "
                            "pass a file written by python -m kvarn_mlx.calibrate")

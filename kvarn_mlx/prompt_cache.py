@@ -133,13 +133,13 @@ def read_metadata(path):
         try:
             header = json.loads(f.read(n))
         except ValueError:
-            raise PromptCacheError(f"{path} has a corrupt safetensors header; delete it or pass another file")
+            raise PromptCacheError(f"{path} has a corrupt safetensors header; delete it or pass another file") from None
     if not isinstance(header, dict):
         raise PromptCacheError(f"{path} has a corrupt safetensors header; delete it or pass another file")
     try:
         end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
     except (TypeError, KeyError, ValueError, IndexError):
-        raise PromptCacheError(f"{path} has a corrupt safetensors header; delete it or pass another file")
+        raise PromptCacheError(f"{path} has a corrupt safetensors header; delete it or pass another file") from None
     if 8 + n + end != size:
         raise PromptCacheError(f"{path} is truncated or damaged ({size} bytes, its header describes "
                                f"{8 + n + end}); delete it and build the cache again")
@@ -175,7 +175,7 @@ def check_writable(path, overwrite=False):
         fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
     except OSError as e:
         raise PromptCacheError(f"cannot save the prompt cache to {path}: {folder} is not writable "
-                               f"({e.strerror}); pass a path in a writable folder")
+                               f"({e.strerror}); pass a path in a writable folder") from None
     os.close(fd)
     os.unlink(probe)
     return path

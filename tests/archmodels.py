@@ -116,7 +116,7 @@ for _cfg in (*FAMILIES.values(), *SHAPES.values()):
             _cfg.setdefault(_k, _v)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_model(family, dtype=mx.float32, seed=0):
     """An mlx-lm model of FAMILIES[family] (or SHAPES[family]) with random weights
     (cached: tests only read it)."""

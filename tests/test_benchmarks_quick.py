@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from model_folder import tiny_model_folder
 
 ROOT = Path(__file__).resolve().parents[1]

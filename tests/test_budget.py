@@ -45,7 +45,7 @@ def test_no_step_adds_more_than_its_bound(name):
     m = byte_models.byte_model(LAYER, kind, 2048)
     worst = 0.0
     for seed in range(3):
-        c, held = make(), 0
+        c, held, before_two = make(), 0, 0
         seq = steps(seed)
         for i, L in enumerate(seq):
             now = feed(c, L)

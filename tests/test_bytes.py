@@ -8,8 +8,8 @@ s the bytes of one stored scale (2 for float16/bfloat16, 4 for float32, 1 for fp
 
 import mlx.core as mx
 import pytest
-from grid import diagonal, grid
 
+from grid import diagonal, grid
 from kvarn_mlx.cache import KVarNCache
 from kvarn_mlx.config import FP8_MAX_BITS, SUPPORTED_BITS, KVarNConfig
 

@@ -15,10 +15,8 @@ import pytest
 from mlx_lm.generate import generate, generate_step, speculative_generate_step, stream_generate
 from mlx_lm.models.cache import (
     KVCache,
-    RotatingKVCache,
     can_trim_prompt_cache,
     load_prompt_cache,
-    make_prompt_cache,
     save_prompt_cache,
     trim_prompt_cache,
 )

@@ -17,7 +17,6 @@ from kvarn_mlx.eval.__main__ import main
 from kvarn_mlx.eval.fidelity import fidelity
 from kvarn_mlx.eval.methods import make_caches, method_bits, method_cache
 from kvarn_mlx.eval.runner import Dequantized
-
 from models import tiny_model
 
 

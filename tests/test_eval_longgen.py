@@ -84,10 +84,11 @@ def test_prompt_count_checked(tiny, tmp_path):
 @pytest.mark.parametrize("method", ["k2v2_g128", pytest.param("auto4v2", marks=pytest.mark.slow),
                                     pytest.param("mlxq4", marks=pytest.mark.slow)])
 def test_steps_ending_at_tiles_read_what_one_token_decoding_reads(tiny, method):
+    from mlx_lm.models import cache as mlx_cache
+
     from kvarn_mlx.eval.decode import _forced, _greedy
     from kvarn_mlx.eval.methods import make_caches
     from kvarn_mlx.eval.runner import for_model
-    from mlx_lm.models import cache as mlx_cache
 
     model, tok = tiny
     ids = longgen.prompt_ids(tok, longgen.QUESTIONS[0])

@@ -5,7 +5,6 @@ import json
 import random
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from kvarn_mlx.eval import retrieval

@@ -15,7 +15,6 @@ from kvarn_mlx.attention import attend, packed_attention
 from kvarn_mlx.cache import KVarNCache
 from kvarn_mlx.config import KVarNConfig
 from kvarn_mlx.tiles import StepView, Tiles, append
-
 from refcheck import TIE
 
 

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from model_folder import tiny_model_folder
-
 from kvarn_mlx.eval.__main__ import main as eval_main
+from model_folder import tiny_model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,9 +1,9 @@
 """python -m kvarn_mlx.generate on the embedded model."""
 
 import io
+from pydoc_data.topics import topics
 
 import pytest
-from pydoc_data.topics import topics
 
 from kvarn_mlx import generate
 

@@ -29,12 +29,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import metal_emulator
+from grid import diagonal, grid
 from kvarn_mlx import dispatch, kernels, quant
 from kvarn_mlx import reference as ref
 from kvarn_mlx.attention import attend, attend_view
 from kvarn_mlx.tiles import StepView, Tiles, append
-import metal_emulator
-from grid import diagonal, grid
 from refcheck import ITERS, MAX_MISMATCH, SCALE_RTOL, TIE, ref_candidates, rel_err
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -501,7 +501,6 @@ def test_greedy_generation_same_tokens_with_kernels(monkeypatch, rotate_keys):
     layers a per-head mix of rotated and plain keys."""
     sys.path.insert(0, str(ROOT / "tests"))
     import models
-
     from kvarn_mlx import make_cache
     from kvarn_mlx.config import KVarNConfig
 

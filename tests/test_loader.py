@@ -16,7 +16,6 @@ import pytest
 from kvarn_mlx import gguf, loader
 from kvarn_mlx.loader import ModelLoadError
 
-
 # The real model (fixture `smollm` in conftest.py; converts once into
 # $KVARN_MLX_HOME, ~6 s, plus a ~98 MB PyPI download the first time).
 
@@ -300,7 +299,7 @@ def test_gemma3_gguf_converts_to_the_same_model(tmp_path):
     from mlx_lm.models import gemma3_text
 
     config, expected = _write_tiny_gemma3(tmp_path / "tiny.gguf")
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match="gguf"):
         mx.load(str(tmp_path / "tiny.gguf"))  # Q5_0: the gguf package's path
     out = tmp_path / "mlx"
     out.mkdir()

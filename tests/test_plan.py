@@ -20,8 +20,8 @@ from mlx_lm.utils import _get_classes
 import archmodels
 from grid import grid
 from kvarn_mlx import byte_models, model_info, plan
-from kvarn_mlx.integration import make_cache
 from kvarn_mlx.config import PRESETS
+from kvarn_mlx.integration import make_cache
 from models import tokens
 
 QWEN3 = dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,

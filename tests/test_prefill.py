@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
-from test_attention import check_close, feed, kv_data, reference_output, step
 
 from kvarn_mlx import attention, prefill
 from kvarn_mlx.cache import KVarNCache
 from kvarn_mlx.config import KVarNConfig, get_preset
 from kvarn_mlx.integration import make_cache
+from test_attention import check_close, feed, kv_data, reference_output, step
 
 # (D, GQA ratio, G, k_bits, v_bits, sink, tokens already cached, L of the chunk)
 CASES = [

@@ -5,8 +5,14 @@ import pytest
 from mlx_lm.models.cache import save_prompt_cache
 
 from kvarn_mlx import make_cache, prompt_cache
-from kvarn_mlx.prompt_cache import PromptCacheError, cache_path, check_writable, load, model_identity, save
-
+from kvarn_mlx.prompt_cache import (
+    PromptCacheError,
+    cache_path,
+    check_writable,
+    load,
+    model_identity,
+    save,
+)
 from models import tiny_model, tokenizer, tokens
 
 

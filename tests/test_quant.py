@@ -14,10 +14,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from grid import diagonal, grid
 from kvarn_mlx import quant
 from kvarn_mlx import reference as ref
-from grid import diagonal, grid
-from refcheck import ITERS, MAX_MISMATCH, SCALE_RTOL, TIE, ref_candidates, rel_err
+from refcheck import MAX_MISMATCH, SCALE_RTOL, TIE, ref_candidates, rel_err
 
 DIMS = (64, 80, 96, 128, 256)
 GROUPS = (64, 128)

@@ -45,7 +45,6 @@ def _write_tiny_qwen2(path, qtype, qtype8):
     untied output, projections in `qtype` and `qtype8`); returns the HF config and the float
     weights (mlx-lm naming) it must convert back to."""
     import gguf as gguf_py
-    from gguf import GGMLQuantizationType as T
     from gguf import quants
 
     rng = np.random.default_rng(0)

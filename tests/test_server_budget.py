@@ -7,8 +7,8 @@ import pytest
 from mlx_lm import load
 
 from kvarn_mlx import budget, memory
-from kvarn_mlx.integration import make_cache
 from kvarn_mlx.config import get_preset
+from kvarn_mlx.integration import make_cache
 from test_server_mlx import client, get, model_dir, prompt, request, server  # noqa: F401 (fixture)
 
 PRESET, SINK = "k4v2_g64", 16  # test_server_mlx's server() flags

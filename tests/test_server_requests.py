@@ -11,9 +11,8 @@ import socket
 
 import pytest
 
-from chat_server import port_of, post, read_response, serve, user
-
 from apps.chat import server as chat  # noqa: E402
+from chat_server import port_of, post, read_response, serve, user
 from kvarn_mlx.server import http_io  # noqa: E402
 
 API = "/v1/chat/completions"

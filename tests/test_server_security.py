@@ -11,11 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx  # noqa: E402  (chat_server skipped the module already if it is missing)
 import pytest
 
 from chat_server import port_of, post, serve, user
-
-import httpx  # noqa: E402  (chat_server skipped the module already if it is missing)
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -7,9 +7,9 @@ until the next update, after mlx-lm has trimmed the rejected drafts.
 """
 
 import mlx.core as mx
-from mlx_lm.generate import stream_generate
 import numpy as np
 import pytest
+from mlx_lm.generate import stream_generate
 
 from kvarn_mlx.cache import KVarNCache
 from kvarn_mlx.config import KVarNConfig

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+
 from model_folder import tiny_model_folder
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 
 from kvarn_mlx import get_preset
-from test_auto_rotation import mean_kl, outlier_model, rotated_heads
 from models import tokens
+from test_auto_rotation import mean_kl, outlier_model, rotated_heads
 
 
 @pytest.mark.parametrize("bits", [3, 5, 6, 8])

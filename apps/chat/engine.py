@@ -16,9 +16,9 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from kvarn_mlx import memory, prompt_cache
-from kvarn_mlx.integration import make_cache
 from kvarn_mlx.cli_support import model_context
 from kvarn_mlx.config import DEFAULT_PRESET, preset_error
+from kvarn_mlx.integration import make_cache
 from kvarn_mlx.loader import DEFAULT_NAME, load
 
 from .errors import ChatError
@@ -192,7 +192,7 @@ class Engine:
         try:
             return prompt_cache.save(path, self.cache, self.identity(), meta, overwrite=overwrite)
         except prompt_cache.PromptCacheError as e:
-            raise ChatError(str(e), code="cannot_save", status=409)
+            raise ChatError(str(e), code="cannot_save", status=409) from None
 
     def load(self, path):
         """Resume a conversation saved by save(); returns its messages. The
@@ -203,7 +203,7 @@ class Engine:
         try:
             name = prompt_cache.read_metadata(path).get("chat_model")
         except prompt_cache.PromptCacheError as e:
-            raise ChatError(f"cannot load {path}: {e}")
+            raise ChatError(f"cannot load {path}: {e}") from None
         if name not in self.specs:
             raise ChatError(f"cannot load {path}: it was saved with model {name!r}, which this server does not have "
                             f"(it has {', '.join(self.specs)}); start it with --model for that model")
@@ -212,7 +212,7 @@ class Engine:
             cache, meta = prompt_cache.load(path, self.identity())
             messages, tokens = json.loads(meta["messages"]), json.loads(meta["tokens"])
         except (prompt_cache.PromptCacheError, KeyError, ValueError) as e:
-            raise ChatError(f"cannot load {path}: {e}")
+            raise ChatError(f"cannot load {path}: {e}") from None
         if cache[0].offset != len(tokens):
             raise ChatError(f"cannot load {path}: its cache holds {cache[0].offset} tokens but it lists "
                             f"{len(tokens)}; the file is damaged")

@@ -74,7 +74,7 @@ def save_chat(save_dir, data):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
-        raise Refused(f"cannot save to {path.parent}: {e.strerror}", code="cannot_save", status=500)
+        raise Refused(f"cannot save to {path.parent}: {e.strerror}", code="cannot_save", status=500) from None
     try:  # a temp file, then a rename: an interrupted save leaves the old file or none
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"format": FORMAT, "version": 1, "messages": messages}, f, ensure_ascii=False)
@@ -86,7 +86,7 @@ def save_chat(save_dir, data):
         os.replace(tmp, path)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
-        raise Refused(f"could not save to {path}: {e.strerror}", code="cannot_save", status=500)
+        raise Refused(f"could not save to {path}: {e.strerror}", code="cannot_save", status=500) from None
     return {"name": path.stem, "file": str(path)}
 
 
@@ -100,7 +100,7 @@ def load_chat(save_dir, data):
     try:
         return {"name": path.stem, "messages": check_transcript(saved.get("messages"))}
     except Refused as e:
-        raise Refused(f"{path} is damaged: {e}", param="name")
+        raise Refused(f"{path} is damaged: {e}", param="name") from None
 
 
 def chat_names(save_dir):

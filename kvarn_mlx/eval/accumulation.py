@@ -14,7 +14,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from .. import integration
 from ..cache import KVarNCache
-from .methods import G, SINK, make_caches
+from .methods import SINK, G, make_caches
 from .runner import Progress, for_model, pyplot, tokens
 
 NAME = "accumulation"

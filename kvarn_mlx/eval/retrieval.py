@@ -300,7 +300,7 @@ def summarize(records, methods, tasks, lengths, depths):
 def markdown(res, meta_md):
     lengths, s = res["lengths"], res["summary"]
     mean_tokens = {L: np.mean([r["tokens"] for r in res["records"] if r["length"] == L]) for L in lengths}
-    out = [f"# Retrieval (passkey, multi-key needle in a haystack)\n", meta_md,
+    out = ["# Retrieval (passkey, multi-key needle in a haystack)\n", meta_md,
            f"\nPrompts of about {', '.join(str(L) for L in lengths)} tokens (mean "
            f"{', '.join(f'{mean_tokens[L]:.0f}' for L in lengths)}), needle depths "
            f"{', '.join(f'{d:.0%}' for d in res['depths'])} of the haystack, {res['trials']} prompts per "

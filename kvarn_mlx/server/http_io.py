@@ -33,7 +33,7 @@ def read_body(h, limit=MAX_BODY):
     try:
         n = int(h.headers.get("Content-Length"))
     except (TypeError, ValueError):
-        raise guard.Refused("send the body with a Content-Length header", code="length_required", status=411)
+        raise guard.Refused("send the body with a Content-Length header", code="length_required", status=411) from None
     if not 0 <= n <= limit:
         h.close_connection = True
         raise guard.Refused(f"request body too large (limit {limit} bytes)", code="request_too_large", status=413)
