@@ -150,7 +150,7 @@ def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
     res = main(argv, model=model, tokenizer=tok, model_name="tiny")
     assert res["methods"] == ["fp", "k4v2_g128", "mlxq4"] and len(ck.read_text().splitlines()) == 2 * 3 * 2
     for prefix in ("0", "300"):
-        for m, recs in res["results"][prefix].items():
+        for recs in res["results"][prefix].values():
             assert [r["task_id"] for r in recs] == ["HumanEval/0", "HumanEval/1"]
             assert all(r["answer_tokens"] <= 6 and r["status"] in ("passed", "failed") for r in recs)
     # Alone, the KVarN cache quantizes a tile of the ~200-token prompt at most; after 300 more, at
