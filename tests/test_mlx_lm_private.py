@@ -27,7 +27,6 @@ LISTS = {"kvarn_mlx/server/hooks.py": hooks.MLX_LM_PRIVATE,
 PRIVATE = {spec: use for names in LISTS.values() for spec, use in names.items()}
 # Names our own code defines that mlx-lm happens to use too (not mlx-lm's).
 OWN = {
-    ("kvarn_mlx/loader.py", "_download"): "the embedded model's own download helper",
     ("kvarn_mlx/batch_cache.py", "_idx"): "BatchKVarNCache's own write position",
 }
 SOURCES = [p for d in ("kvarn_mlx", "apps") for p in sorted((ROOT / d).rglob("*.py"))]

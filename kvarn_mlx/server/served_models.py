@@ -29,7 +29,7 @@ def _embedded(spec):
     if spec is None:
         return loader.DEFAULT
     try:
-        return loader.embedded(spec)
+        return loader.embedded_model(spec)
     except loader.ModelLoadError:
         return None
 
