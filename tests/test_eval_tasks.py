@@ -118,6 +118,7 @@ def test_batched_answers_stop_where_the_code_block_closes(monkeypatch):
     # A scripted model: each row writes its tokens, then repeats its last one. Row 0 closes a code
     # block at its 5th token and must end there (its cache returned); row 1 never does.
     import mlx.core as mx
+
     from kvarn_mlx.integration import make_cache
     from models import tiny_model, tokenizer
 
