@@ -83,3 +83,35 @@ def test_a_long_step_commits_a_waiting_tile_at_once():
     assert last.n_tiles == 0 and last.n_tail == G + 1
     last.update_and_fetch(rand((1, 2, 40, D), 5), rand((1, 2, 40, D), 6))  # a prefill chunk: no waiting
     assert last.n_tiles == 1 and last.n_tail == 41
+
+
+def test_a_trim_while_a_tile_waits_keeps_the_bits(monkeypatch):
+    # Speculative decoding trims rejected drafts: a waiting tile trimmed back to
+    # whole still commits the same bits. One trimmed into is no tile any more; its
+    # tokens are still the exact ones (a committed tile trimmed into comes back
+    # dequantized), so only its counts are compared.
+    n = commits.PER_STEP + 2
+
+    def run():
+        caches = [KVarNCache(CFG) for _ in range(n)]
+        prompt(caches)
+        step(caches, 0)
+        step(caches, 1)  # the first PER_STEP caches commit, the last two wait
+        for c in caches:
+            c.trim(1)  # back to exactly one whole tile in the waiting tails
+        caches[-1].trim(1)  # the last one's tile is cut: it no longer waits
+        for t in range(2, G + 4):
+            step(caches, t)
+        return caches
+
+    spread = run()
+    with monkeypatch.context() as m:
+        m.setattr(commits, "take", lambda cache: None)
+        m.setattr(commits, "due", lambda cache: True)
+        alone = run()
+    for a, b in zip(spread, alone):
+        assert a.n_tiles == b.n_tiles and (a.offset, a.n_tail) == (b.offset, b.n_tail)
+    for a, b in zip(spread[:-1], alone[:-1]):
+        for name, x, y in zip(ARRAYS, a.tiles.valid().arrays(), b.tiles.valid().arrays()):
+            assert np.array_equal(np.array(x), np.array(y)), name
+    assert [c.n_tiles for c in spread] == [2] * n
