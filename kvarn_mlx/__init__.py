@@ -9,8 +9,10 @@ from .attention import packed_attention
 from .cache import KVarNCache
 from .config import DEFAULT_PRESET, FP16, PRESETS, KVarNConfig, get_preset
 from .integration import make_cache, patch, unpatch
+from .tuning import apply as _apply_tuning
 
 patch()
+_apply_tuning()  # the choices `python -m kvarn_mlx.bench` measured on this machine, if any
 
 __all__ = [
     "DEFAULT_PRESET", "FP16", "PRESETS", "KVarNCache", "KVarNConfig", "get_preset",

@@ -1,6 +1,12 @@
+import os
+
 import pytest
 
 import metal_emulator
+
+# A tuning file measured on this machine (python -m kvarn_mlx.bench) must not change
+# which path the tests take: no tuning file, here and in the commands tests start.
+os.environ["KVARN_MLX_TUNING"] = ""
 
 # Node ids of skipped tests: kernel tests that had no Metal device or emulator, and the rest.
 SKIPPED = {"kernel": set(), "other": set()}
