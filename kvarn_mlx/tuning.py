@@ -76,7 +76,8 @@ def machine() -> dict:
     """What a tuning file was measured on: a file applies only where these match
     (the device type aside: choices apply to the device type they were measured on)."""
     try:
-        chip = mx.device_info().get("device_name") or ""
+        info = mx.device_info()  # a Mac: the GPU's name, e.g. "Apple M2"; Linux: the CPU's
+        chip = info.get("device_name") or info.get("architecture") or ""
     except Exception:  # builds without device_info
         chip = ""
     return {"mlx": mx.__version__, "chip": chip or platform.processor() or platform.machine(),
