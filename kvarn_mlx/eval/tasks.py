@@ -9,8 +9,8 @@ passes the problem's tests, run in a sandbox (sandbox.py: its own `python -I`
 in a temporary folder, no network, no files outside the folder, killed on
 timeout). Every cache answers the same problems.
 
-Generation takes the batched path a server takes: mlx-lm's batch_generate,
-each problem with its own cache (kvarn_mlx.make_cache for KVarN presets, which
+Generation takes the batched path a server takes, mlx-lm's BatchGenerator
+(what batch_generate and the server run), each problem with its own cache (kvarn_mlx.make_cache for KVarN presets, which
 mlx-lm merges into one BatchKVarNCache; mlx-lm's plain KVCache for "fp").
 mlx-lm's QuantizedKVCache (mlxqB) cannot be batched: it answers one problem at
 a time through mlx-lm's stream_generate.
@@ -352,7 +352,7 @@ def markdown(res, meta_md):
     out = ["# Task accuracy: HumanEval pass@1 per KV cache\n", meta_md,
            f"\n{len(res['problems'])} HumanEval problems ({res['problems'][0]} to {res['problems'][-1]}), the same for "
            f"every cache; greedy answers of at most {res['max_tokens']} tokens through the model's chat template, ended where their first code block closes, "
-           f"batches of {res['batch']} through mlx-lm's batch_generate (mlx-lm's quantized cache, mlxqB, one "
+           f"batches of {res['batch']} through mlx-lm's BatchGenerator (mlx-lm's quantized cache, mlxqB, one "
            f"problem at a time); each answer's function run against the problem's tests in a sandbox "
            f"(timeout {res['timeout']:g} s). Pass@1 interval: 95% Wilson. Difference: pass@1 minus the plain "
            "cache's (fp) on the same problems, with the exact 95% interval conditional on the problems where "
