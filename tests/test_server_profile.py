@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from mlx_lm import load
 
 from kvarn_mlx.integration import profile_mix
@@ -12,6 +13,7 @@ from test_mix import synthetic
 from test_server_mlx import ROOT, TIMEOUT, client, get, model_dir, server  # noqa: F401 (model_dir: a fixture)
 
 
+@pytest.mark.e2e
 def test_served_caches_take_the_profile_widths(model_dir, tmp_path):
     model = load(str(model_dir))[0]
     path = tmp_path / "profile.json"
@@ -26,6 +28,7 @@ def test_served_caches_take_the_profile_widths(model_dir, tmp_path):
     assert stats["kv_widths"] == want
 
 
+@pytest.mark.e2e
 def test_bad_profile_flags_stop_the_server(tmp_path):
     run = lambda *a: subprocess.run([sys.executable, "-m", "kvarn_mlx.server", *a], cwd=ROOT,
                                     capture_output=True, text=True, timeout=TIMEOUT)
