@@ -23,6 +23,7 @@ from pathlib import Path
 from kvarn_mlx import integration
 from kvarn_mlx import mix as mixes
 from kvarn_mlx import profile as profiles
+from kvarn_mlx.config import get_preset
 from kvarn_mlx.eval.methods import profile_method
 from kvarn_mlx.eval.runner import pyplot
 
@@ -72,7 +73,8 @@ def main():
         entry = {"method": method, "label": label(method), "predicted_kl": kl_pred,
                  "tile_bytes_per_token": tile_bpt, "widths": m.summary()["widths"] if m else None,
                  "contexts": {c: {"kl_mean": r["kl_mean"], "kl_p99": r["kl_p99"], "top1_agree": r["top1_agree"],
-                                  "bytes": r["bytes"], "fp16_bytes": r["fp16_bytes"]} for c, r in by_ctx.items()}}
+                                  "bytes": r["bytes"], "growing_bytes": r.get("growing_bytes") or r["bytes"],
+                                  "fp16_bytes": r["fp16_bytes"]} for c, r in by_ctx.items()}}
         out.append(entry)
     t = prof["text"]
     md = [f"# Per-layer widths from a calibration profile ({args.tag})\n",
@@ -84,8 +86,8 @@ def main():
           "(measured arrays). Predicted: the sum over layers of the profile's KL at each layer's key width and "
           "value width (the mix's own choice; for a preset, its widths everywhere).\n",
           "Commands:\n", "```sh", f"python -m kvarn_mlx.calibrate {prof.get('command', '').split('calibrate ', 1)[-1]}",
-          *commands, f"python benchmarks/mixed_widths.py --profile {args.profile} --fidelity {' '.join(args.fidelity)} "
-          f"--tag {args.tag}", "```\n"]
+          *commands, f"python benchmarks/mixed_widths.py{' --model ' + args.model if args.model else ''} "
+          f"--profile {args.profile} --fidelity {' '.join(args.fidelity)} --tag {args.tag}", "```\n"]
     head = "| cache | tile bytes/token | predicted KL | " + " | ".join(
         f"KL at {c} | measured / predicted at {c} | bytes at {c}" for c in contexts) + " |"
     md += [head, "|" + "---|" * (3 + 3 * len(contexts))]
@@ -100,6 +102,12 @@ def main():
     for e in out:
         if e["widths"]:
             md.append(f"\n{e['label']}: " + " ".join(f"{l}:{w}" for l, w in e["widths"].items()))
+        else:  # a preset: is the mix at its bytes the preset itself?
+            m = predicted(model, prof, f"{args.profile}@{e['method']}")[2]
+            cfg = get_preset(e["method"])
+            if all(kv == (cfg.k_bits, cfg.v_bits) for kv in m.widths.values()):
+                md.append(f"\nThe mix at {e['method']}'s bytes is {e['method']} itself: no other widths fit "
+                          "those bytes with a lower predicted KL.")
     plot = draw(out, contexts, args.out / f"mixed_widths_{args.tag}.png")
     if plot:
         md.append(f"\n![KL against bytes]({plot.name})")
@@ -120,11 +128,11 @@ def draw(out, contexts, path):
             if not r:
                 continue
             mixed = e["widths"] is not None
-            ax.plot(r["bytes"] / 2**20, r["kl_mean"], "o" if mixed else "s", ms=8,
-                    color="tab:orange" if mixed else "tab:blue")
-            ax.annotate(e["label"], (r["bytes"] / 2**20, r["kl_mean"]), fontsize=7, xytext=(4, 4),
-                        textcoords="offset points")
-        ax.set(yscale="log", xlabel=f"KV MiB held at {c} tokens (measured)", ylabel="mean KL to the plain cache",
+            mib = r["growing_bytes"] / 2**20
+            ax.plot(mib, r["kl_mean"], "o" if mixed else "s", ms=8, color="tab:orange" if mixed else "tab:blue")
+            ax.annotate(e["label"], (mib, r["kl_mean"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.set(yscale="log", xlabel=f"KV MiB held at {c} tokens by the layers that grow (measured)",
+               ylabel="mean KL to the plain cache",
                title=f"{c} tokens: presets (squares), profile mixes (circles)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
