@@ -143,7 +143,10 @@ def test_batched_answers_stop_where_the_code_block_closes(monkeypatch):
     outs, finals = tasks.generate(Scripted(), tok, "k4v2_g128", prompts, [make_cache(model, "k4v2_g128")
                                   for _ in prompts], 12, 64)
     assert bytes(outs[0]) == b"```\n```"
-    assert len(outs[1]) == 12 and finals[0] is not None and finals[1] is not None
+    assert len(outs[1]) == 12
+    # Both rows hand back their own caches, the stopped one included, holding what they read.
+    for final, n in zip(finals, (3 + 7, 3 + 12)):
+        assert [type(c).__name__ for c in final] == ["KVarNCache"] * 2 and n - 1 <= final[0].offset <= n
 
 
 def test_select():

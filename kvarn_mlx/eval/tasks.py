@@ -237,8 +237,8 @@ def generate(model, tokenizer, name, prompts, caches, max_tokens, step):
                     final[r.uid] = r.prompt_cache
                 elif code_closed(tokenizer.decode(out[r.uid])):
                     closed.append(r.uid)
-            if closed:
-                final.update(gen.remove(closed, return_prompt_caches=True))
+            if closed:  # remove() hands back (cache, tokens) per row
+                final.update({u: c for u, (c, _) in gen.remove(closed, return_prompt_caches=True).items()})
     finally:
         gen.close()
     return [out[u] for u in uids], [final[u] for u in uids]
