@@ -16,18 +16,43 @@ PORT = 8321
 
 
 def cli_args(argv):
-    p = argparse.ArgumentParser(prog="python -m apps.chat --cli", description="chat in the terminal")
+    p = argparse.ArgumentParser(
+        prog="python -m apps.chat --cli", description="chat in the terminal"
+    )
     p.add_argument("--cli", action="store_true")
-    p.add_argument("--model", default=None,
-                   help="MLX model folder or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--kv-preset", default=DEFAULT_PRESET, help=f"KV cache preset (default {DEFAULT_PRESET}; "
-                                                              "fp16 = mlx-lm's plain cache)")
-    p.add_argument("--kv-profile", default=None, metavar="PROFILE.json",
-                   help="per-layer widths from this model's calibration profile (python -m kvarn_mlx.calibrate)")
-    p.add_argument("--kv-bytes-like", default=None, metavar="PRESET",
-                   help=f"with --kv-profile: at most this preset's bytes (default {DEFAULT_PRESET})")
-    p.add_argument("--kv-max-kl", type=float, default=None, metavar="KL",
-                   help="with --kv-profile: the fewest bytes predicting at most this KL")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=(
+            "MLX model folder or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)"
+        ),
+    )
+    p.add_argument(
+        "--kv-preset",
+        default=DEFAULT_PRESET,
+        help=f"KV cache preset (default {DEFAULT_PRESET}; fp16 = mlx-lm's plain cache)",
+    )
+    p.add_argument(
+        "--kv-profile",
+        default=None,
+        metavar="PROFILE.json",
+        help=(
+            "per-layer widths from this model's calibration profile (python -m kvarn_mlx.calibrate)"
+        ),
+    )
+    p.add_argument(
+        "--kv-bytes-like",
+        default=None,
+        metavar="PRESET",
+        help=f"with --kv-profile: at most this preset's bytes (default {DEFAULT_PRESET})",
+    )
+    p.add_argument(
+        "--kv-max-kl",
+        type=float,
+        default=None,
+        metavar="KL",
+        help="with --kv-profile: the fewest bytes predicting at most this KL",
+    )
     p.add_argument("--max-tokens", type=int, default=512, help="reply length limit (tokens)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature")
     p.add_argument("--resume", default=None, help="resume a conversation saved with /save")
@@ -40,8 +65,15 @@ def arg_parser():
     p.prog = "python -m apps.chat"
     p.description = __doc__
     g = p.add_argument_group("chat app")
-    g.add_argument("--save-dir", type=Path, default=home() / "chats", help="where the page saves chats (default $KVARN_MLX_HOME/chats)")
-    g.add_argument("--cli", action="store_true", help="chat in the terminal instead (flags: --cli --help)")
+    g.add_argument(
+        "--save-dir",
+        type=Path,
+        default=home() / "chats",
+        help="where the page saves chats (default $KVARN_MLX_HOME/chats)",
+    )
+    g.add_argument(
+        "--cli", action="store_true", help="chat in the terminal instead (flags: --cli --help)"
+    )
     return p
 
 
@@ -52,8 +84,10 @@ def network_warning(host, api_key):
     if api_key:
         who = "Clients need the API key; it travels unencrypted (plain HTTP)."
     else:
-        who = ("There is no API key: anyone who can reach this machine can use the model and\n"
-               "read and overwrite saved chats. Set --api-key (or $" + server.API_KEY_ENV + ").")
+        who = (
+            "There is no API key: anyone who can reach this machine can use the model and\n"
+            "read and overwrite saved chats. Set --api-key (or $" + server.API_KEY_ENV + ")."
+        )
     bar = "!" * 72
     return f"{bar}\nWARNING: binding {host}: the API is reachable from the network.\n{who}\n{bar}"
 
@@ -65,11 +99,21 @@ def main(argv=None):
 
         args = cli_args(argv)
         try:
-            profile = profiles.flags(args.kv_profile, args.kv_bytes_like, args.kv_max_kl, DEFAULT_PRESET)
+            profile = profiles.flags(
+                args.kv_profile, args.kv_bytes_like, args.kv_max_kl, DEFAULT_PRESET
+            )
         except ValueError as e:
             sys.exit(f"error: {e}")
-        return run_cli(dict(models=[args.model], preset=args.kv_preset, max_tokens=args.max_tokens,
-                            temp=args.temp, profile=profile), resume=args.resume)
+        return run_cli(
+            dict(
+                models=[args.model],
+                preset=args.kv_preset,
+                max_tokens=args.max_tokens,
+                temp=args.temp,
+                profile=profile,
+            ),
+            resume=args.resume,
+        )
     parser = arg_parser()
     ours, rest = parser.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
@@ -83,7 +127,11 @@ def main(argv=None):
     from .server import ChatHandler
 
     shown = f"[{host}]" if ":" in host else host
-    print(f"kvarn chat: http://{shown}:{port}/  (loading the model; Ctrl-C stops)", file=sys.stderr, flush=True)
+    print(
+        f"kvarn chat: http://{shown}:{port}/  (loading the model; Ctrl-C stops)",
+        file=sys.stderr,
+        flush=True,
+    )
     return server.main(argv, handler=ChatHandler, parser=parser)
 
 

@@ -7,14 +7,18 @@ from kvarn_mlx.loader import ModelLoadError
 
 from .engine import ChatError, Engine
 
-HELP = ("commands: /new (start over), /save FILE (/save! FILE replaces a file that is not a saved chat), "
-        "/quit   (Ctrl-C stops a reply)")
+HELP = (
+    "commands: /new (start over), /save FILE (/save! FILE replaces a file that is not a saved "
+    "chat), /quit   (Ctrl-C stops a reply)"
+)
 
 
 def stats_line(s):
-    line = (f"[{s['context_tokens']} ctx tokens | KV {s['held'] / 2**20:.2f} MiB vs fp16 "
-            f"{s['fp16'] / 2**20:.2f} MiB = {s['ratio_fp16']:.2f}x | {s['tps']:.1f} tok/s | "
-            f"prefilled {s['prefilled']}, reused {s['reused']}")
+    line = (
+        f"[{s['context_tokens']} ctx tokens | KV {s['held'] / 2**20:.2f} MiB vs fp16 "
+        f"{s['fp16'] / 2**20:.2f} MiB = {s['ratio_fp16']:.2f}x | {s['tps']:.1f} tok/s | prefilled "
+        f"{s['prefilled']}, reused {s['reused']}"
+    )
     if s["kvarn_layers"]:
         line += f" | {s['tiles_per_layer']} tiles/layer"
     return line + "]"
@@ -49,8 +53,11 @@ def run_cli(engine_kwargs, resume=None, inp=input, out=sys.stdout):
             print(file=out)
             return 0
         except UnicodeDecodeError as e:
-            print(f"error: that line is not valid UTF-8 ({e.reason} at byte {e.start}); "
-                  "set the terminal to UTF-8 and type it again", file=out)
+            print(
+                f"error: that line is not valid UTF-8 ({e.reason} at byte {e.start}); set the "
+                "terminal to UTF-8 and type it again",
+                file=out,
+            )
             continue
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "/quit":

@@ -38,11 +38,19 @@ def check_preset(preset):
 
 
 class Engine:
-    def __init__(self, models=(None,), preset=DEFAULT_PRESET, max_tokens=512, temp=0.0,
-                 loaded=None, profile=(None, None, None)):
+    def __init__(
+        self,
+        models=(None,),
+        preset=DEFAULT_PRESET,
+        max_tokens=512,
+        temp=0.0,
+        loaded=None,
+        profile=(None, None, None),
+    ):
         """models: --model values (None = embedded); the first is loaded.
         loaded: an already loaded (model, tokenizer) for models[0] (tests).
-        profile: (--kv-profile, --kv-bytes-like, --kv-max-kl), per-layer widths instead of the preset's."""
+        profile: (--kv-profile, --kv-bytes-like, --kv-max-kl), per-layer widths instead of the
+        preset's."""
         self.specs = {model_id(s): s for s in models}
         self.profile = profile
         self.default_max_tokens, self.default_temp = max_tokens, temp
@@ -57,8 +65,11 @@ class Engine:
         name = name or self.name
         preset = check_preset(preset or self.preset)
         if name not in self.specs:
-            raise ChatError(f"unknown model {name!r}; this server has: {', '.join(self.specs)}",
-                            code="model_not_found", status=404)
+            raise ChatError(
+                f"unknown model {name!r}; this server has: {', '.join(self.specs)}",
+                code="model_not_found",
+                status=404,
+            )
         if name != self.name:
             self.model = self.tokenizer = None  # free the old weights before loading
             self.model, self.tokenizer = loaded or load(self.specs[name])
@@ -112,8 +123,10 @@ class Engine:
         ids = self.prompt_ids(messages)
         if self.context is not None and len(ids) >= self.context:
             raise ChatError(
-                f"the conversation is {len(ids)} tokens but {self.name} has a {self.context}-token "
-                "context; shorten the message or start a new chat", code="context_length_exceeded")
+                f"the conversation is {len(ids)} tokens but {self.name} has a "
+                f"{self.context}-token context; shorten the message or start a new chat",
+                code="context_length_exceeded",
+            )
         max_tokens = self.default_max_tokens if max_tokens is None else int(max_tokens)
         if max_tokens < 1:
             raise ChatError("max_tokens must be at least 1", param="max_tokens")
@@ -122,10 +135,21 @@ class Engine:
         temp = self.default_temp if temp is None else float(temp)
 
         reused = self._reuse(ids)
-        yield {"type": "start", "reused": reused, "prefill": len(ids) - reused, "prompt_tokens": len(ids)}
+        yield {
+            "type": "start",
+            "reused": reused,
+            "prefill": len(ids) - reused,
+            "prompt_tokens": len(ids),
+        }
         gen, text, finish, eos, last = [], "", "stop", False, None
-        stream = stream_generate(self.model, self.tokenizer, ids[reused:], max_tokens=max_tokens,
-                                 sampler=make_sampler(temp), prompt_cache=self.cache)
+        stream = stream_generate(
+            self.model,
+            self.tokenizer,
+            ids[reused:],
+            max_tokens=max_tokens,
+            sampler=make_sampler(temp),
+            prompt_cache=self.cache,
+        )
         start = time.perf_counter()
         try:
             for r in stream:
@@ -144,13 +168,22 @@ class Engine:
             self._settle(ids + gen)
         if last is not None:
             self.last.update(tps=last.generation_tps, prompt_tps=last.prompt_tps)
-        self.last.update(prefilled=len(ids) - reused, reused=reused, seconds=time.perf_counter() - start)
+        self.last.update(
+            prefilled=len(ids) - reused, reused=reused, seconds=time.perf_counter() - start
+        )
         self.messages = messages + [{"role": "assistant", "content": text}]
         n_gen = len(gen) - eos  # the end-of-turn token is not content
-        yield {"type": "done", "text": text, "finish_reason": finish,
-               "usage": {"prompt_tokens": len(ids), "completion_tokens": n_gen,
-                         "total_tokens": len(ids) + n_gen},
-               "stats": self.stats()}
+        yield {
+            "type": "done",
+            "text": text,
+            "finish_reason": finish,
+            "usage": {
+                "prompt_tokens": len(ids),
+                "completion_tokens": n_gen,
+                "total_tokens": len(ids) + n_gen,
+            },
+            "stats": self.stats(),
+        }
 
     def _settle(self, fed):
         """Record which tokens the cache now holds. mlx-lm feeds each sampled
@@ -168,26 +201,46 @@ class Engine:
         """The CLI's stats line: KV bytes held against mlx-lm's plain cache in the
         model's dtype and the 2-byte (fp16) equivalent (memory.panel)."""
         m = memory.panel(self.cache)
-        return {"model": self.name, "preset": self.preset, "context_tokens": self.cache[0].offset,
-                "context_limit": self.context, "dtype": m["dtype"], "held": m["held"], "unused": m["unused"],
-                "plain": m["plain"], "fp16": m["fp16"], "ratio_plain": m["ratio_plain"],
-                "ratio_fp16": m["ratio_fp16"], "tiles_per_layer": m["tiles"], "kvarn_layers": m["kvarn_layers"],
-                "layers": m["layers"], "saving_from": m["saving_from"], **self.last}
+        return {
+            "model": self.name,
+            "preset": self.preset,
+            "context_tokens": self.cache[0].offset,
+            "context_limit": self.context,
+            "dtype": m["dtype"],
+            "held": m["held"],
+            "unused": m["unused"],
+            "plain": m["plain"],
+            "fp16": m["fp16"],
+            "ratio_plain": m["ratio_plain"],
+            "ratio_fp16": m["ratio_fp16"],
+            "tiles_per_layer": m["tiles"],
+            "kvarn_layers": m["kvarn_layers"],
+            "layers": m["layers"],
+            "saving_from": m["saving_from"],
+            **self.last,
+        }
 
     # -- files -----------------------------------------------------------------
 
     def identity(self):
         """The loaded model's identity as prompt-cache files record it."""
         if self._identity is None:
-            self._identity = prompt_cache.model_identity(self.specs[self.name], self.model, self.tokenizer)
+            self._identity = prompt_cache.model_identity(
+                self.specs[self.name], self.model, self.tokenizer
+            )
         return self._identity
 
     def save(self, path, overwrite=False):
         """Save the cache, its tokens and the conversation to a prompt-cache file
         (mlx-lm's naming: ".safetensors" added when missing). A file already
         there that is not a prompt cache is never replaced unless overwrite."""
-        meta = {"app": "kvarn-chat", "chat_model": self.name, "preset": self.preset,
-                "messages": json.dumps(self.messages), "tokens": json.dumps(self.tokens)}
+        meta = {
+            "app": "kvarn-chat",
+            "chat_model": self.name,
+            "preset": self.preset,
+            "messages": json.dumps(self.messages),
+            "tokens": json.dumps(self.tokens),
+        }
         mx.eval([c.state for c in self.cache if not c.empty()])
         try:
             return prompt_cache.save(path, self.cache, self.identity(), meta, overwrite=overwrite)
@@ -205,8 +258,10 @@ class Engine:
         except prompt_cache.PromptCacheError as e:
             raise ChatError(f"cannot load {path}: {e}") from None
         if name not in self.specs:
-            raise ChatError(f"cannot load {path}: it was saved with model {name!r}, which this server does not have "
-                            f"(it has {', '.join(self.specs)}); start it with --model for that model")
+            raise ChatError(
+                f"cannot load {path}: it was saved with model {name!r}, which this server does not "
+                f"have (it has {', '.join(self.specs)}); start it with --model for that model"
+            )
         self.use(name)  # a file from another model of this server: switch to it first
         try:
             cache, meta = prompt_cache.load(path, self.identity())
@@ -214,8 +269,10 @@ class Engine:
         except (prompt_cache.PromptCacheError, KeyError, ValueError) as e:
             raise ChatError(f"cannot load {path}: {e}") from None
         if cache[0].offset != len(tokens):
-            raise ChatError(f"cannot load {path}: its cache holds {cache[0].offset} tokens but it lists "
-                            f"{len(tokens)}; the file is damaged")
+            raise ChatError(
+                f"cannot load {path}: its cache holds {cache[0].offset} tokens but it lists "
+                f"{len(tokens)}; the file is damaged"
+            )
         self.use(name, meta.get("preset", self.preset))
         self.cache, self.tokens, self.messages = cache, tokens, messages
         return messages

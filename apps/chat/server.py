@@ -45,10 +45,16 @@ def check_transcript(messages):
     if not isinstance(messages, list) or not messages:
         raise Refused("messages must be a non-empty list", param="messages")
     for m in messages:
-        if not isinstance(m, dict) or set(m) != {"role", "content"} or m["role"] not in ROLES \
-                or not isinstance(m["content"], str):
-            raise Refused(f"messages: each message is {{\"role\": one of {', '.join(ROLES)}, \"content\": "
-                          "text}", param="messages")
+        if (
+            not isinstance(m, dict)
+            or set(m) != {"role", "content"}
+            or m["role"] not in ROLES
+            or not isinstance(m["content"], str)
+        ):
+            raise Refused(
+                f'messages: each message is {{"role": one of {", ".join(ROLES)}, "content": text}}',
+                param="messages",
+            )
     return messages
 
 
@@ -68,13 +74,19 @@ def save_chat(save_dir, data):
     path = chat_path(save_dir, data)
     messages = check_transcript(data.get("messages"))
     if (path.exists() or path.is_symlink()) and read_chat(path) is None:
-        raise Refused(f"{path} exists and is not a saved chat; refusing to overwrite it. Pick another name",
-                      code="cannot_save", status=409, param="name")
+        raise Refused(
+            f"{path} exists and is not a saved chat; refusing to overwrite it. Pick another name",
+            code="cannot_save",
+            status=409,
+            param="name",
+        )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
-        raise Refused(f"cannot save to {path.parent}: {e.strerror}", code="cannot_save", status=500) from None
+        raise Refused(
+            f"cannot save to {path.parent}: {e.strerror}", code="cannot_save", status=500
+        ) from None
     try:  # a temp file, then a rename: an interrupted save leaves the old file or none
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"format": FORMAT, "version": 1, "messages": messages}, f, ensure_ascii=False)
@@ -86,7 +98,9 @@ def save_chat(save_dir, data):
         os.replace(tmp, path)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
-        raise Refused(f"could not save to {path}: {e.strerror}", code="cannot_save", status=500) from None
+        raise Refused(
+            f"could not save to {path}: {e.strerror}", code="cannot_save", status=500
+        ) from None
     return {"name": path.stem, "file": str(path)}
 
 
@@ -106,7 +120,11 @@ def load_chat(save_dir, data):
 def chat_names(save_dir):
     """The saved chats in save_dir (other files there are not listed)."""
     save_dir = Path(save_dir)
-    return sorted(p.stem for p in save_dir.glob("*.json") if read_chat(p) is not None) if save_dir.is_dir() else []
+    return (
+        sorted(p.stem for p in save_dir.glob("*.json") if read_chat(p) is not None)
+        if save_dir.is_dir()
+        else []
+    )
 
 
 # -- requests ---------------------------------------------------------------------------
@@ -119,7 +137,9 @@ class ChatHandler(APIHandler):
         path = urlsplit(self.path).path
         if path == "/":
             if not self.refused(post=False, public=True):
-                http_io.send(self, 200, (STATIC / "index.html").read_bytes(), "text/html; charset=utf-8")
+                http_io.send(
+                    self, 200, (STATIC / "index.html").read_bytes(), "text/html; charset=utf-8"
+                )
         elif path == "/api/chats":
             if not self.refused(post=False):
                 save_dir = self.settings.save_dir

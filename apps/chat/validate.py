@@ -16,11 +16,16 @@ def text_of(content, field="messages"):
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
         return "".join(p["text"] for p in content)
-    raise ChatError(f"{field}: message content must be a string or a list of text parts "
-                    "(only text is supported)", param=field)
+    raise ChatError(
+        f"{field}: message content must be a string or a list of text parts (only text is "
+        "supported)",
+        param=field,
+    )
 
 
 def check_messages(messages):
@@ -31,7 +36,9 @@ def check_messages(messages):
     out = []
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ChatError(f"messages: each message needs a role in {', '.join(ROLES)}", param="messages")
+            raise ChatError(
+                f"messages: each message needs a role in {', '.join(ROLES)}", param="messages"
+            )
         out.append({"role": m["role"], "content": text_of(m.get("content"))})
     if out[-1]["role"] != "user":
         raise ChatError("messages: the last message must be from the user", param="messages")
@@ -44,5 +51,8 @@ def only_fields(data, allowed):
     """data, if it has no field besides `allowed`."""
     for field in data:
         if field not in allowed:
-            raise ChatError(f"unsupported field {field!r} (this endpoint takes {', '.join(allowed)})", param=field)
+            raise ChatError(
+                f"unsupported field {field!r} (this endpoint takes {', '.join(allowed)})",
+                param=field,
+            )
     return data

@@ -20,34 +20,74 @@ API_KEY_ENV = "KVARN_API_KEY"
 
 def arg_parser():
     p = argparse.ArgumentParser(
-        prog="python -m kvarn_mlx.server", add_help=False,
-        description="mlx-lm's server (all of mlx_lm.server's flags work) on KVarN KV caches.")
+        prog="python -m kvarn_mlx.server",
+        add_help=False,
+        description="mlx-lm's server (all of mlx_lm.server's flags work) on KVarN KV caches.",
+    )
     g = p.add_argument_group("KVarN")
-    g.add_argument("--kv-preset", default=DEFAULT_PRESET,
-                   help=f"KVarN preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}, any kXvY_gG[_auto]; "
-                        f"or {FP16}: "
-                        "mlx-lm's own cache (then mlx-lm's --kv-bits applies)")
-    g.add_argument("--kv-sink", type=int, default=None,
-                   help="leading tokens kept unquantized (default: the preset's, one tile)")
-    g.add_argument("--kv-profile", default=None, metavar="PROFILE.json",
-                   help="per-layer key and value widths from this model's calibration profile "
-                        "(python -m kvarn_mlx.calibrate) instead of --kv-preset's")
-    g.add_argument("--kv-bytes-like", default=None, metavar="PRESET",
-                   help=f"with --kv-profile: at most this preset's bytes, the least predicted KL "
-                        f"(default {DEFAULT_PRESET})")
-    g.add_argument("--kv-max-kl", type=float, default=None, metavar="KL",
-                   help="with --kv-profile: the fewest bytes whose predicted KL (nats) is at most this")
-    g.add_argument("--max-kv-bytes", type=size_flag, default=None, metavar="SIZE",
-                   help="the most KV bytes one request's cache may hold (e.g. 2GB): a longer prompt is refused, "
-                        "and a request stops (finish_reason length) before its cache could grow past it")
-    g.add_argument("--allowed-hosts", type=lambda x: [h.strip().lower() for h in x.split(",") if h.strip()],
-                   default=[], help="Host names this server answers to besides localhost and its own "
-                                    "address, comma-separated ('*': any)")
-    g.add_argument("--allowed-origins", type=lambda x: [o.strip().lower().rstrip("/") for o in x.split(",")],
-                   default=[], help="web page origins allowed to send requests, comma-separated "
-                                    "('*': any; default: none besides this server's own)")
-    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                   help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV})")
+    g.add_argument(
+        "--kv-preset",
+        default=DEFAULT_PRESET,
+        help=f"KVarN preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}, any kXvY_gG[_auto]; "
+        f"or {FP16}: mlx-lm's own cache (then mlx-lm's --kv-bits applies)",
+    )
+    g.add_argument(
+        "--kv-sink",
+        type=int,
+        default=None,
+        help="leading tokens kept unquantized (default: the preset's, one tile)",
+    )
+    g.add_argument(
+        "--kv-profile",
+        default=None,
+        metavar="PROFILE.json",
+        help="per-layer key and value widths from this model's calibration profile "
+        "(python -m kvarn_mlx.calibrate) instead of --kv-preset's",
+    )
+    g.add_argument(
+        "--kv-bytes-like",
+        default=None,
+        metavar="PRESET",
+        help=f"with --kv-profile: at most this preset's bytes, the least predicted KL "
+        f"(default {DEFAULT_PRESET})",
+    )
+    g.add_argument(
+        "--kv-max-kl",
+        type=float,
+        default=None,
+        metavar="KL",
+        help="with --kv-profile: the fewest bytes whose predicted KL (nats) is at most this",
+    )
+    g.add_argument(
+        "--max-kv-bytes",
+        type=size_flag,
+        default=None,
+        metavar="SIZE",
+        help=(
+            "the most KV bytes one request's cache may hold (e.g. 2GB): a longer prompt is "
+            "refused, and a request stops (finish_reason length) before its cache could grow past "
+            "it"
+        ),
+    )
+    g.add_argument(
+        "--allowed-hosts",
+        type=lambda x: [h.strip().lower() for h in x.split(",") if h.strip()],
+        default=[],
+        help="Host names this server answers to besides localhost and its own "
+        "address, comma-separated ('*': any)",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        type=lambda x: [o.strip().lower().rstrip("/") for o in x.split(",")],
+        default=[],
+        help="web page origins allowed to send requests, comma-separated "
+        "('*': any; default: none besides this server's own)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV})",
+    )
     return p
 
 
@@ -82,9 +122,14 @@ def main(argv=None, handler=APIHandler, parser=None):
         parser.error(f"--kv-sink {ours.kv_sink}: must be >= 0")
     elif profile_error(ours):
         parser.error(profile_error(ours))
-    elif ours.kv_preset != FP16 and any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest):
-        parser.error("--kv-bits is mlx-lm's own quantized cache (one request at a time); this server "
-                     f"quantizes with KVarN: use --kv-preset (or --kv-preset {FP16} --kv-bits N for mlx-lm's)")
+    elif ours.kv_preset != FP16 and any(
+        a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest
+    ):
+        parser.error(
+            "--kv-bits is mlx-lm's own quantized cache (one request at a time); this server "
+            f"quantizes with KVarN: use --kv-preset (or --kv-preset {FP16} --kv-bits N for "
+            "mlx-lm's)"
+        )
     if "-h" not in rest and "--help" not in rest:
         ours.model = flag(rest, "--model")  # as given: what /v1/models lists
         rest = resolve_model(rest)
@@ -109,5 +154,5 @@ def resolve_model(rest):
                 sys.exit(f"error: --model: {e}")
             if path is None:
                 return rest
-            return [*rest[:i], "--model", str(path), *rest[i + (2 if a == "--model" else 1):]]
+            return [*rest[:i], "--model", str(path), *rest[i + (2 if a == "--model" else 1) :]]
     return [*rest, "--model", str(loader.embedded_path(None))]

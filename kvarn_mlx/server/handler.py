@@ -22,7 +22,11 @@ from . import http_io, request_fields, served_models
 
 STATS_PATH = "/v1/kv_stats"
 MODELS_PATH = "/v1/models"
-COMPLETIONS = {"/v1/completions": False, "/v1/chat/completions": True, "/chat/completions": True}  # path: chat?
+COMPLETIONS = {
+    "/v1/completions": False,
+    "/v1/chat/completions": True,
+    "/chat/completions": True,
+}  # path: chat?
 
 
 class APIHandler(mlx_server.APIHandler):
@@ -73,11 +77,15 @@ class APIHandler(mlx_server.APIHandler):
         "default_model" for the served model (served_models.model_for)."""
         data = request_fields.check(http_io.parse_json(body), chat=chat)
         self.reply_model = data.get("model") or self.served_model()
-        data["model"] = served_models.model_for(data.get("model"), self.served_model(), self.model_names())
+        data["model"] = served_models.model_for(
+            data.get("model"), self.served_model(), self.model_names()
+        )
         return json.dumps(data).encode()
 
     def handle_completion(self, request, stop_words):
-        self.response_generator = PromptRecorder(self.response_generator, self.stats, self.request_id)
+        self.response_generator = PromptRecorder(
+            self.response_generator, self.stats, self.request_id
+        )
         try:
             super().handle_completion(request, stop_words)
         except (BrokenPipeError, ConnectionResetError):  # mlx-lm stops the generation; no traceback
@@ -131,15 +139,18 @@ class APIHandler(mlx_server.APIHandler):
             return
         url = urlsplit(self.path)
         if url.path == MODELS_PATH or url.path.startswith(MODELS_PATH + "/"):
-            return self.send_models(unquote(url.path[len(MODELS_PATH) + 1:]))
+            return self.send_models(unquote(url.path[len(MODELS_PATH) + 1 :]))
         if url.path != STATS_PATH:
             return super().do_GET()
         request = parse_qs(url.query).get("request", [None])[-1]
         stats = self.stats.report(request)
-        stats.update(kv_preset=self.settings.kv_preset, kv_sink=self.settings.kv_sink,
-                     model=self.response_generator.cli_args.model, **self.kv_widths())
+        stats.update(
+            kv_preset=self.settings.kv_preset,
+            kv_sink=self.settings.kv_sink,
+            model=self.response_generator.cli_args.model,
+            **self.kv_widths(),
+        )
         self.send_json(stats)
-
 
     def kv_widths(self):
         """With --kv-profile: the profile and the per-layer widths chosen from it
@@ -148,8 +159,10 @@ class APIHandler(mlx_server.APIHandler):
         if profile[0] is None:
             return {}
         model = getattr(getattr(self.response_generator, "model_provider", None), "model", None)
-        return {"kv_profile": profile[0],
-                "kv_widths": None if model is None else profile_mix(model, *profile)[0].summary()}
+        return {
+            "kv_profile": profile[0],
+            "kv_widths": None if model is None else profile_mix(model, *profile)[0].summary(),
+        }
 
 
 class PromptRecorder:

@@ -34,10 +34,16 @@ from ..profile import from_settings
 from .stats import KVStats
 
 MLX_LM_PRIVATE = {
-    "mlx_lm.server:ResponseGenerator._tokenize": "ResponseGenerator: --max-kv-bytes caps max_tokens",
-    "mlx_lm.generate:BatchGenerator._generation_batch": "BatchGenerator: the live sequences' caches",
+    "mlx_lm.server:ResponseGenerator._tokenize": (
+        "ResponseGenerator: --max-kv-bytes caps max_tokens"
+    ),
+    "mlx_lm.generate:BatchGenerator._generation_batch": (
+        "BatchGenerator: the live sequences' caches"
+    ),
     "mlx_lm.generate:BatchGenerator._prompt_batch": "BatchGenerator: the live sequences' caches",
-    "mlx_lm.generate:BatchGenerator._unprocessed_sequences": "BatchGenerator: the waiting sequences' caches",
+    "mlx_lm.generate:BatchGenerator._unprocessed_sequences": (
+        "BatchGenerator: the waiting sequences' caches"
+    ),
     "mlx_lm.models.cache:LRUPromptCache._trie": "PromptCache.entries: the stored caches",
     "mlx_lm.models.cache:LRUPromptCache._lru": "PromptCache.entries: the stored caches",
     "mlx_lm.models.cache:LRUPromptCache.CacheOrder._lrus": "PromptCache.entries: the stored caches",
@@ -99,8 +105,11 @@ class BatchGenerator(mlx_server.BatchGenerator):
     def next(self):
         decoding = len(self._generation_batch)
         out = super().next()
-        self.stats.publish(self.live_caches(), force=len(self._generation_batch) > decoding,  # prompts done
-                           rows=self.live_rows)
+        self.stats.publish(
+            self.live_caches(),
+            force=len(self._generation_batch) > decoding,  # prompts done
+            rows=self.live_rows,
+        )
         return out
 
     def live_rows(self):
@@ -113,7 +122,8 @@ class BatchGenerator(mlx_server.BatchGenerator):
         return [(batch.tokens[i], [c.rows[i] for c in caches]) for i in range(len(batch))]
 
     def live_caches(self):
-        """The cache of every sequence it holds: single caches, or batch caches with their row count."""
+        """The cache of every sequence it holds: single caches, or batch caches with their row
+        count."""
         out = [(p[3], 1) for p in self._unprocessed_sequences]
         for batch in (self._prompt_batch, self._generation_batch):
             if batch.prompt_cache:
@@ -144,8 +154,11 @@ class PromptCache(LRUPromptCache):
             return super().trim_to(*args, **kwargs)
 
     def entries(self):
-        return [self._trie.get(model, tokens).prompt_cache
-                for lru in self._lru._lrus.values() for model, tokens in lru]
+        return [
+            self._trie.get(model, tokens).prompt_cache
+            for lru in self._lru._lrus.values()
+            for model, tokens in lru
+        ]
 
 
 def stream_generate(*args, stats, prompt_cache=None, **kwargs):
@@ -178,8 +191,12 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         if self.max_kv_bytes is not None:
             model = self.model_provider.model
             if self.kv_budget is None or self.kv_budget[0] is not model:
-                kv = budget.KVBudget(model, mlx_server.make_prompt_cache(model), self.max_kv_bytes,
-                                     self.cli_args.prefill_step_size)
+                kv = budget.KVBudget(
+                    model,
+                    mlx_server.make_prompt_cache(model),
+                    self.max_kv_bytes,
+                    self.cli_args.prefill_step_size,
+                )
                 self.kv_budget = (model, kv)
             args.max_tokens = budget.fit_tokens(self.kv_budget[1], len(out[0]), args.max_tokens)
         return out
@@ -196,7 +213,9 @@ def install(settings, handler_class):
     """Rebind the names mlx_lm.server looks up, so its own main() runs on KVarN
     caches, with run() below serving handler_class (handler.APIHandler or a
     subclass) with these settings."""
-    install_caches(settings.kv_preset, settings.kv_sink, profile=from_settings(settings, DEFAULT_PRESET))
+    install_caches(
+        settings.kv_preset, settings.kv_sink, profile=from_settings(settings, DEFAULT_PRESET)
+    )
     mlx_server.run = lambda host, port, provider: run(host, port, provider, settings, handler_class)
 
 
@@ -205,23 +224,40 @@ def run(host, port, model_provider, settings, handler_class):
     --prompt-cache-bytes as well as --prompt-cache-size), generator and handler,
     and one KVStats they share."""
     stats = KVStats()
-    install_caches(settings.kv_preset, settings.kv_sink, model_provider, from_settings(settings, DEFAULT_PRESET))
+    install_caches(
+        settings.kv_preset,
+        settings.kv_sink,
+        model_provider,
+        from_settings(settings, DEFAULT_PRESET),
+    )
     mlx_server.BatchGenerator = functools.partial(BatchGenerator, stats=stats)
     mlx_server.stream_generate = functools.partial(stream_generate, stats=stats)
     args = model_provider.cli_args
-    prompt_cache = PromptCache(stats, args.prompt_cache_size, **({"max_bytes": args.prompt_cache_bytes}
-                                                                 if args.prompt_cache_bytes is not None else {}))
-    generator = ResponseGenerator(model_provider, prompt_cache, getattr(settings, "max_kv_bytes", None))
+    prompt_cache = PromptCache(
+        stats,
+        args.prompt_cache_size,
+        **({"max_bytes": args.prompt_cache_bytes} if args.prompt_cache_bytes is not None else {}),
+    )
+    generator = ResponseGenerator(
+        model_provider, prompt_cache, getattr(settings, "max_kv_bytes", None)
+    )
     threading.Thread(target=_exit_if_generation_dies, args=(generator,), daemon=True).start()
     if mx.distributed.init().rank() == 0:
-        serve_http(host, port, lambda *a, **k: handler_class(generator, stats, settings, *a, **k), generator)
+        serve_http(
+            host,
+            port,
+            lambda *a, **k: handler_class(generator, stats, settings, *a, **k),
+            generator,
+        )
     else:
         generator.join()
 
 
 def serve_http(host, port, make_handler, generator):
     """Answer HTTP on host:port (IPv4 or IPv6, as the name resolves) until Ctrl-C."""
-    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    family, _, _, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
     server_class = type("HTTPServer", (ThreadingHTTPServer,), {"address_family": family})
     httpd = server_class(address, make_handler)
     logging.info(f"Starting httpd at {host} on port {port}...")
@@ -237,6 +273,10 @@ def _exit_if_generation_dies(generator):
     # answer 503 for ever: stop instead, so the user sees why at once.
     generator.join()
     if not generator.stopping:
-        print("error: the server's generation thread stopped (its error is logged above: a --model that cannot "
-              "be loaded, for instance); the server exits", file=sys.stderr, flush=True)
+        print(
+            "error: the server's generation thread stopped (its error is logged above: a --model "
+            "that cannot be loaded, for instance); the server exits",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)

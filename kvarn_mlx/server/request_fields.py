@@ -22,17 +22,30 @@ def _refuse(field, rule, value):
 
 def _integer(body, field, low=None, high=None):
     value = body[field]
-    if isinstance(value, bool) or not isinstance(value, int) or \
-            (low is not None and value < low) or (high is not None and value > high):
-        bounds = " and ".join(b for b in (low is not None and f">= {low}", high is not None and f"<= {high}") if b)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or (low is not None and value < low)
+        or (high is not None and value > high)
+    ):
+        bounds = " and ".join(
+            b for b in (low is not None and f">= {low}", high is not None and f"<= {high}") if b
+        )
         _refuse(field, "an integer" + (f" {bounds}" if bounds else ""), value)
 
 
 def _number(body, field, low=None, high=None):
     value = body[field]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
-            (low is not None and value < low) or (high is not None and value > high):
-        bounds = " and ".join(b for b in (low is not None and f">= {low}", high is not None and f"<= {high}") if b)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or (low is not None and value < low)
+        or (high is not None and value > high)
+    ):
+        bounds = " and ".join(
+            b for b in (low is not None and f">= {low}", high is not None and f"<= {high}") if b
+        )
         _refuse(field, "a finite number" + (f" {bounds}" if bounds else ""), value)
 
 
@@ -88,10 +101,27 @@ FIELDS = {
     "n": lambda b, f: _integer(b, f, low=1, high=1),  # one choice per request
 }
 # Fields whose null mlx-lm does not take (it reads a null as the value).
-NOT_NULL = ("stream", "max_tokens", "num_draft_tokens", "temperature", "top_p", "top_k", "min_p",
-            "repetition_penalty", "repetition_context_size", "presence_penalty", "presence_context_size",
-            "frequency_penalty", "frequency_context_size", "xtc_probability", "xtc_threshold", "logprobs",
-            "top_logprobs", "model", "draft_model")
+NOT_NULL = (
+    "stream",
+    "max_tokens",
+    "num_draft_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "presence_context_size",
+    "frequency_penalty",
+    "frequency_context_size",
+    "xtc_probability",
+    "xtc_threshold",
+    "logprobs",
+    "top_logprobs",
+    "model",
+    "draft_model",
+)
 
 
 def check(body, chat):
@@ -138,7 +168,11 @@ def _logit_bias(bias):
             token = -1
         if token < 0:
             _refuse("logit_bias", "an object of token ids (integers >= 0) to biases", key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
             _refuse("logit_bias", "an object of token ids to finite numbers", value)
 
 

@@ -63,9 +63,13 @@ def model_for(requested, served, served_names):
         return DEFAULT_MODEL
     if loadable(requested):
         return requested
-    raise Refused(f"the model {requested!r} does not exist here: this server serves {served!r} (leave "
-                  "\"model\" out to use it; GET /v1/models lists the models it can load)",
-                  code="model_not_found", status=404, param="model")
+    raise Refused(
+        f"the model {requested!r} does not exist here: this server serves {served!r} (leave "
+        '"model" out to use it; GET /v1/models lists the models it can load)',
+        code="model_not_found",
+        status=404,
+        param="model",
+    )
 
 
 def loadable(name):
@@ -79,7 +83,10 @@ def loadable(name):
         return False
     try:
         from huggingface_hub import constants, try_to_load_from_cache
-        return isinstance(try_to_load_from_cache(name, "config.json", cache_dir=constants.HF_HUB_CACHE), str)
+
+        return isinstance(
+            try_to_load_from_cache(name, "config.json", cache_dir=constants.HF_HUB_CACHE), str
+        )
     except Exception:  # noqa: BLE001 (a cache it cannot read holds nothing loadable)
         return False
 
@@ -90,7 +97,9 @@ def cached_models():
     None listed when the cache folder does not exist or cannot be read."""
     from huggingface_hub import constants, scan_cache_dir
 
-    cache = constants.HF_HUB_CACHE  # $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub
+    cache = (
+        constants.HF_HUB_CACHE
+    )  # $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub
     if not os.path.isdir(cache):
         return []
     try:
@@ -101,8 +110,11 @@ def cached_models():
     out = []
     for repo in repos:
         files = {f.file_name for rev in repo.revisions for f in rev.files}
-        if repo.repo_type == "model" and {"config.json", "tokenizer_config.json"} <= files \
-                and any(f.endswith(".safetensors") for f in files):
+        if (
+            repo.repo_type == "model"
+            and {"config.json", "tokenizer_config.json"} <= files
+            and any(f.endswith(".safetensors") for f in files)
+        ):
             out.append((repo.repo_id, int(repo.last_modified)))
     return sorted(out)
 
@@ -129,5 +141,9 @@ def find_model(model_id, served, created):
             return m
     if loadable(model_id):
         return model_object(model_id, created)
-    raise Refused(f"the model {model_id!r} does not exist here: this server serves {served!r}",
-                  code="model_not_found", status=404, param="model")
+    raise Refused(
+        f"the model {model_id!r} does not exist here: this server serves {served!r}",
+        code="model_not_found",
+        status=404,
+        param="model",
+    )

@@ -99,10 +99,14 @@ class KVStats:
             if prompt is None:
                 return None
             n, want = prompt
-            for tokens, figures in reversed(self.stored):  # the newest first: the same prompt may come again
+            for tokens, figures in reversed(
+                self.stored
+            ):  # the newest first: the same prompt may come again
                 if len(tokens) >= n and digest(tokens[:n]) == want:
                     return {**figures, "live": False}
-        for tokens, figures in self.live["rows"]:  # replaced whole by the generation thread, never changed
+        for tokens, figures in self.live[
+            "rows"
+        ]:  # replaced whole by the generation thread, never changed
             if len(tokens) >= n and digest(tokens[:n]) == want:
                 return {**figures, "live": True}
         return None
