@@ -15,6 +15,14 @@ patch()
 _apply_tuning()  # the choices `python -m kvarn_mlx.bench` measured on this machine, if any
 
 __all__ = [
-    "DEFAULT_PRESET", "FP16", "PRESETS", "KVarNCache", "KVarNConfig", "get_preset",
-    "make_cache", "packed_attention", "patch", "unpatch",
+    "DEFAULT_PRESET",
+    "FP16",
+    "PRESETS",
+    "KVarNCache",
+    "KVarNConfig",
+    "get_preset",
+    "make_cache",
+    "packed_attention",
+    "patch",
+    "unpatch",
 ]

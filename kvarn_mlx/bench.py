@@ -65,9 +65,23 @@ class Context:
         sink_k, sink_v = rand(B, H, S, D, i=1), rand(B, H, S, D, i=2)
         tk, tv = rand(B, H, n, G, D, i=3), rand(B, H, n, G, D, i=4)
         self.recent_k, self.recent_v = rand(B, H, r, D, i=5), rand(B, H, r, D, i=6)
-        storage = append(None, dispatch.quantize(tk, tv, config, True, config.rotate_values), 0) if n else None
-        self.view = StepView(sink_k, sink_v, storage, n, self.recent_k, self.recent_v,
-                             config.k_bits, config.v_bits, True, config.rotate_values)
+        storage = (
+            append(None, dispatch.quantize(tk, tv, config, True, config.rotate_values), 0)
+            if n
+            else None
+        )
+        self.view = StepView(
+            sink_k,
+            sink_v,
+            storage,
+            n,
+            self.recent_k,
+            self.recent_v,
+            config.k_bits,
+            config.v_bits,
+            True,
+            config.rotate_values,
+        )
         flat = lambda x: x.reshape(B, H, n * G, D)
         self.plain_k = mx.concatenate([sink_k, flat(tk), self.recent_k], axis=2)
         self.plain_v = mx.concatenate([sink_v, flat(tv), self.recent_v], axis=2)
@@ -77,11 +91,16 @@ class Context:
     def step(self, L):
         """(queries, view, plain K, plain V) of a step of L new tokens."""
         B, Hq, H, D = self.shape
-        new = [mx.random.normal(s, key=mx.random.key(self.seed + 10 + i)).astype(self.dtype)
-               for i, s in enumerate([(B, Hq, L, D), (B, H, L, D), (B, H, L, D)])]
+        new = [
+            mx.random.normal(s, key=mx.random.key(self.seed + 10 + i)).astype(self.dtype)
+            for i, s in enumerate([(B, Hq, L, D), (B, H, L, D), (B, H, L, D)])
+        ]
         q, k, v = new
-        view = replace(self.view, recent_k=mx.concatenate([self.recent_k, k], axis=2),
-                       recent_v=mx.concatenate([self.recent_v, v], axis=2))
+        view = replace(
+            self.view,
+            recent_k=mx.concatenate([self.recent_k, k], axis=2),
+            recent_v=mx.concatenate([self.recent_v, v], axis=2),
+        )
         K, V = mx.concatenate([self.plain_k, k], axis=2), mx.concatenate([self.plain_v, v], axis=2)
         mx.eval(q, view.recent_k, view.recent_v, K, V)
         return q, view, K, V
@@ -92,12 +111,18 @@ def time_paths(c: Context, L, trials, kernel):
     q, view, K, V = c.step(L)
     scale = q.shape[-1] ** -0.5
     mask = "causal" if L > 1 else None
-    fig = {"plain": median_ms(lambda: mx.fast.scaled_dot_product_attention(q, K, V, scale=scale, mask=mask), trials),
-           "dequantized": median_ms(lambda: prefill.attend_dequantized(q, view, scale, mask), trials),
-           "ops": median_ms(lambda: attention.attend(q, view, scale, mask), trials),
-           "kernel": None}
+    fig = {
+        "plain": median_ms(
+            lambda: mx.fast.scaled_dot_product_attention(q, K, V, scale=scale, mask=mask), trials
+        ),
+        "dequantized": median_ms(lambda: prefill.attend_dequantized(q, view, scale, mask), trials),
+        "ops": median_ms(lambda: attention.attend(q, view, scale, mask), trials),
+        "kernel": None,
+    }
     if kernel and kernels.attention_unsupported(q, view) is None:
-        fig["kernel"] = median_ms(lambda: kernels.packed_attention_metal(q, view, scale, L > 1), trials)
+        fig["kernel"] = median_ms(
+            lambda: kernels.packed_attention_metal(q, view, scale, L > 1), trials
+        )
     return fig
 
 
@@ -109,7 +134,8 @@ def packed_ms(fig):
 def choose_min_queries(rows, default):
     """The smallest L from which the dequantized path is at least as fast as the
     packed one at every larger L measured (times summed over the contexts);
-    `default` when it never is. rows: [{"queries": L, "dequantized": ms, "ops": ms, "kernel": ms|None}]."""
+    `default` when it never is.
+    rows: [{"queries": L, "dequantized": ms, "ops": ms, "kernel": ms|None}]."""
     total = {}
     for r in rows:
         d, p = total.get(r["queries"], (0.0, 0.0))
@@ -144,7 +170,13 @@ def time_streams(c: Context, trials):
             dispatch.CPU_STREAMS, attention.MIN_STREAM_TILES = 1, 1
             one = median_ms(lambda: attention.attend(q, v, scale), trials)
             dispatch.CPU_STREAMS = 2
-            rows.append({"tiles": n, "one": one, "split": median_ms(lambda: attention.attend(q, v, scale), trials)})
+            rows.append(
+                {
+                    "tiles": n,
+                    "one": one,
+                    "split": median_ms(lambda: attention.attend(q, v, scale), trials),
+                }
+            )
     finally:
         dispatch.CPU_STREAMS, attention.MIN_STREAM_TILES = saved
     return rows
@@ -176,34 +208,86 @@ def reference_check() -> str | None:
     q, view, _, _ = c.step(2)
     got = np.array(kernels.packed_attention_metal(q, view, 0.125, True))
     t = view.tiles.valid(view.n_tiles)
-    kw, ka, kb, kt, vw, va, vb, vc = (np.array(x if x.dtype == mx.uint32 else x.astype(mx.float32)) for x in t.arrays())
+    kw, ka, kb, kt, vw, va, vb, vc = (
+        np.array(x if x.dtype == mx.uint32 else x.astype(mx.float32)) for x in t.arrays()
+    )
     f = lambda x, h: np.array(x[0, h].astype(mx.float32)).astype(np.float64)
     for h in range(2):
-        keys = [(ref.unpack(kw[0, h, i], 4), ka[0, h, i], kb[0, h, i], kt[0, h, i]) for i in range(view.n_tiles)]
-        values = [(ref.unpack(vw[0, h, i], 2), va[0, h, i], vb[0, h, i], vc[0, h, i]) for i in range(view.n_tiles)]
-        want = ref.attention(np.array(q[0, 2 * h : 2 * h + 2]).astype(np.float64), f(view.sink_k, h), f(view.sink_v, h),
-                             keys, values, f(view.recent_k, h), f(view.recent_v, h), 0.125, causal=True)
+        keys = [
+            (ref.unpack(kw[0, h, i], 4), ka[0, h, i], kb[0, h, i], kt[0, h, i])
+            for i in range(view.n_tiles)
+        ]
+        values = [
+            (ref.unpack(vw[0, h, i], 2), va[0, h, i], vb[0, h, i], vc[0, h, i])
+            for i in range(view.n_tiles)
+        ]
+        want = ref.attention(
+            np.array(q[0, 2 * h : 2 * h + 2]).astype(np.float64),
+            f(view.sink_k, h),
+            f(view.sink_v, h),
+            keys,
+            values,
+            f(view.recent_k, h),
+            f(view.recent_v, h),
+            0.125,
+            causal=True,
+        )
         err = np.abs(got[0, 2 * h : 2 * h + 2] - want).max()
         if not err <= 1e-3 * max(1.0, np.abs(want).max()):
-            return f"the attention kernel differs from the numpy reference by {err:.3g} (kv head {h})"
+            return (
+                f"the attention kernel differs from the numpy reference by {err:.3g} (kv head {h})"
+            )
     return None
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m kvarn_mlx.bench",
-                                description="Measure attention on this machine and write kvarn-mlx's tuning file.")
-    p.add_argument("--contexts", default="2048,8192", help="cache lengths in tokens, comma-separated (default: 2048,8192)")
-    p.add_argument("--queries", default=",".join(map(str, QUERIES)),
-                   help="query tokens per step to time, comma-separated; 1 is a decode step (default: %(default)s)")
-    p.add_argument("--kv-preset", default=DEFAULT_PRESET, help="the KVarN preset whose widths are timed (default: %(default)s)")
+    p = argparse.ArgumentParser(
+        prog="python -m kvarn_mlx.bench",
+        description="Measure attention on this machine and write kvarn-mlx's tuning file.",
+    )
+    p.add_argument(
+        "--contexts",
+        default="2048,8192",
+        help="cache lengths in tokens, comma-separated (default: 2048,8192)",
+    )
+    p.add_argument(
+        "--queries",
+        default=",".join(map(str, QUERIES)),
+        help=(
+            "query tokens per step to time, comma-separated; 1 is a decode step (default: "
+            "%(default)s)"
+        ),
+    )
+    p.add_argument(
+        "--kv-preset",
+        default=DEFAULT_PRESET,
+        help="the KVarN preset whose widths are timed (default: %(default)s)",
+    )
     p.add_argument("--heads", type=int, default=32, help="query heads (default: 32)")
     p.add_argument("--kv-heads", type=int, default=8, help="kv heads (default: 8)")
     p.add_argument("--head-dim", type=int, default=128, help="head dimension (default: 128)")
-    p.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: float16 on a GPU, float32 on the CPU)")
-    p.add_argument("--num-trials", type=int, default=10, help="timed calls per figure, the median is kept (default: 10)")
-    p.add_argument("--out", default=None, help="tuning file to write (default: $KVARN_MLX_HOME/tuning.json)")
-    p.add_argument("--quick", action="store_true",
-                   help="small shapes, few lengths and trials: checks that everything runs (seconds; not for tuning)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float16, bfloat16 or float32 (default: float16 on a GPU, float32 on the CPU)",
+    )
+    p.add_argument(
+        "--num-trials",
+        type=int,
+        default=10,
+        help="timed calls per figure, the median is kept (default: 10)",
+    )
+    p.add_argument(
+        "--out", default=None, help="tuning file to write (default: $KVARN_MLX_HOME/tuning.json)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=(
+            "small shapes, few lengths and trials: checks that everything runs (seconds; not for "
+            "tuning)"
+        ),
+    )
     a = p.parse_args(argv)
     err = preset_error(a.kv_preset)
     if err:
@@ -254,7 +338,9 @@ def main(argv=None):
     for ctx in a.contexts:
         c = Context(ctx, config, shape, dtype)
         if c.n_tiles == 0:
-            print(f"--contexts {ctx}: no whole tile past the sink; nothing to time", file=sys.stderr)
+            print(
+                f"--contexts {ctx}: no whole tile past the sink; nothing to time", file=sys.stderr
+            )
             continue
         for L in a.queries:
             rows.append({"context": ctx, "queries": L, **time_paths(c, L, a.num_trials, kernel)})
@@ -264,7 +350,9 @@ def main(argv=None):
             if kernel:
                 groups = time_target_groups(c, a.num_trials)
     if not rows:
-        print("nothing was timed: give --contexts longer than the sink plus one tile", file=sys.stderr)
+        print(
+            "nothing was timed: give --contexts longer than the sink plus one tile", file=sys.stderr
+        )
         return 2
 
     choices = {}
@@ -273,9 +361,15 @@ def main(argv=None):
     if groups:
         choices["target_groups"] = min(groups, key=groups.get)
     choices["min_queries"] = choose_min_queries(rows, defaults["min_queries"])
-    figures = {"dtype": str(dtype).split(".")[-1], "preset": a.kv_preset, "shape": list(shape),
-               "trials": a.num_trials, "attention_ms": rows, "streams_ms": streams,
-               "target_groups_ms": {str(k): v for k, v in groups.items()}}
+    figures = {
+        "dtype": str(dtype).split(".")[-1],
+        "preset": a.kv_preset,
+        "shape": list(shape),
+        "trials": a.num_trials,
+        "attention_ms": rows,
+        "streams_ms": streams,
+        "target_groups_ms": {str(k): v for k, v in groups.items()},
+    }
     path = tuning.write(out, device, choices, figures)
     print(report(machine, device, check, metal, kernel, figures, choices, defaults, path, a.quick))
     return 0
@@ -286,25 +380,40 @@ def report(machine, device, check, metal, kernel, figures, choices, defaults, pa
     import mlx_lm
 
     f = lambda x: "-" if x is None else f"{x:.3f}"
-    selftest = ("no Metal device" if not metal else "passed" if check is None else f"FAILED: {check}")
+    selftest = "no Metal device" if not metal else "passed" if check is None else f"FAILED: {check}"
     B, Hq, H, D = figures["shape"]
-    lines = ["| kvarn_mlx.bench | |", "|---|---|",
-             f"| machine | {machine['system']}, {machine['chip']}, {machine['cores']} cores |",
-             f"| MLX | {machine['mlx']} (mlx-lm {mlx_lm.__version__}), device {device} |",
-             f"| Metal kernels vs numpy reference | {selftest} |",
-             f"| shapes | {figures['preset']}, Hq={Hq} Hkv={H} D={D} {figures['dtype']}, median of {figures['trials']} |",
-             "", "| context | queries | plain ms | dequantized ms | ops ms | kernel ms |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['context']} | {r['queries']} | {f(r['plain'])} | {f(r['dequantized'])} | {f(r['ops'])} | {f(r['kernel'])} |"
-              for r in figures["attention_ms"]]
+    lines = [
+        "| kvarn_mlx.bench | |",
+        "|---|---|",
+        f"| machine | {machine['system']}, {machine['chip']}, {machine['cores']} cores |",
+        f"| MLX | {machine['mlx']} (mlx-lm {mlx_lm.__version__}), device {device} |",
+        f"| Metal kernels vs numpy reference | {selftest} |",
+        f"| shapes | {figures['preset']}, Hq={Hq} Hkv={H} D={D} {figures['dtype']}, median of "
+        f"{figures['trials']} |",
+        "",
+        "| context | queries | plain ms | dequantized ms | ops ms | kernel ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['context']} | {r['queries']} | {f(r['plain'])} | {f(r['dequantized'])} | "
+        f"{f(r['ops'])} | {f(r['kernel'])} |"
+        for r in figures["attention_ms"]
+    ]
     if figures["streams_ms"]:
         lines += ["", "| tiles | ops decode, 1 stream ms | 2 streams ms |", "|---|---|---|"]
-        lines += [f"| {r['tiles']} | {f(r['one'])} | {f(r['split'])} |" for r in figures["streams_ms"]]
+        lines += [
+            f"| {r['tiles']} | {f(r['one'])} | {f(r['split'])} |" for r in figures["streams_ms"]
+        ]
     if figures["target_groups_ms"]:
         lines += ["", "| kernel threadgroup target | decode ms |", "|---|---|"]
         lines += [f"| {k} | {f(v)} |" for k, v in figures["target_groups_ms"].items()]
     lines += ["", "| choice | default | written |", "|---|---|---|"]
     lines += [f"| {k} | {defaults[k]} | {v} |" for k, v in sorted(choices.items())]
-    lines += ["", f"written: {path}" + (" (--quick: small shapes, not a tuning of this machine)" if quick else "")]
+    lines += [
+        "",
+        f"written: {path}"
+        + (" (--quick: small shapes, not a tuning of this machine)" if quick else ""),
+    ]
     return "\n".join(lines)
 
 

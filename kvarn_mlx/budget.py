@@ -28,7 +28,8 @@ class BudgetExceeded(Exception):
 
 
 def parse_size(text):
-    """'2GB', '512MiB', '1.5G', '1e9' -> bytes (K/M/G/T are powers of 1024); ValueError naming the fix."""
+    """'2GB', '512MiB', '1.5G', '1e9' -> bytes (K/M/G/T are powers of 1024); ValueError
+    naming the fix."""
     try:
         n = byte_models.parse_bytes(text)
     except byte_models.PlanError as e:
@@ -94,9 +95,11 @@ class KVBudget:
         if held + more > self.max_bytes:
             tokens = max((int(getattr(c, "offset", 0)) for c in self.cache), default=0)
             raise BudgetExceeded(
-                f"the KV cache holds {held:,} bytes ({human(held)}) for {tokens} tokens, and the next "
-                f"{L} token{'s' if L > 1 else ''} could add up to {more:,} bytes "
-                f"({human(more)}): beyond the budget of {self.max_bytes:,} bytes ({human(self.max_bytes)})")
+                f"the KV cache holds {held:,} bytes ({human(held)}) for {tokens} tokens, and the "
+                f"next {L} token{'s' if L > 1 else ''} could add up to {more:,} bytes "
+                f"({human(more)}): beyond the budget of {self.max_bytes:,} bytes "
+                f"({human(self.max_bytes)})"
+            )
 
 
 def fit_tokens(kv, n, max_tokens):
@@ -106,12 +109,15 @@ def fit_tokens(kv, n, max_tokens):
     peak = lambda t: sum(m.peak(t) for m in kv.models)  # noqa: E731
     if peak(n + 1) > kv.max_bytes:
         raise BudgetExceeded(
-            f"--max-kv-bytes: the {n}-token prompt does not fit: its KV cache could hold up to {peak(n + 1):,} "
-            f"bytes ({human(peak(n + 1))}), beyond the budget of {kv.max_bytes:,} bytes "
-            f"({human(kv.max_bytes)}). Shorten the prompt, or start the server with a larger "
-            "--max-kv-bytes or a smaller --kv-preset (python -m kvarn_mlx.plan shows what fits)")
+            f"--max-kv-bytes: the {n}-token prompt does not fit: its KV cache could hold up to "
+            f"{peak(n + 1):,} bytes ({human(peak(n + 1))}), beyond the budget of {kv.max_bytes:,} "
+            f"bytes ({human(kv.max_bytes)}). Shorten the prompt, or start the server with a larger "
+            "--max-kv-bytes or a smaller --kv-preset (python -m kvarn_mlx.plan shows what fits)"
+        )
     if peak(n + max_tokens) <= kv.max_bytes:
         return max_tokens
     fit = longest_context(peak, 1, kv.max_bytes) - n
-    logging.warning(f"--max-kv-bytes: a {n}-token prompt may generate {fit} tokens, not {max_tokens}")
+    logging.warning(
+        f"--max-kv-bytes: a {n}-token prompt may generate {fit} tokens, not {max_tokens}"
+    )
     return fit

@@ -26,13 +26,16 @@ def flag(argv, name, default=None):
 
 
 def load_error(spec, e):
-    """One line for a model that failed to load (the loader's own message, or mlx's on damaged files)."""
+    """One line for a model that failed to load (the loader's own message, or mlx's on
+    damaged files)."""
     from .loader import ModelLoadError
 
     if isinstance(e, ModelLoadError):
         return str(e)
-    return (f"cannot load the model {spec or 'embedded default'}: {e}. The weights file may be incomplete "
-            "or corrupt; download or convert it again")
+    return (
+        f"cannot load the model {spec or 'embedded default'}: {e}. The weights file may be "
+        "incomplete or corrupt; download or convert it again"
+    )
 
 
 def model_context(model):

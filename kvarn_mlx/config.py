@@ -57,8 +57,9 @@ class KVarNConfig:
             )
         if self.scale_dtype == "fp8" and max(self.k_bits, self.v_bits) > FP8_MAX_BITS:
             raise ValueError(
-                f"scale_dtype='fp8' keeps 3 mantissa bits per scale: it suits codes of at most {FP8_MAX_BITS} bits, "
-                f"not k_bits={self.k_bits}, v_bits={self.v_bits}; use float16 scales there"
+                "scale_dtype='fp8' keeps 3 mantissa bits per scale: it suits codes of at most "
+                f"{FP8_MAX_BITS} bits, not k_bits={self.k_bits}, v_bits={self.v_bits}; use float16 "
+                "scales there"
             )
 
     @property
@@ -76,8 +77,12 @@ class KVarNConfig:
 # it), then the other shipped settings. Any kXvY_gG[_auto] name is accepted by
 # get_preset, listed here or not.
 PRESETS = {
-    **{f"k{kb}v{vb}_g128": KVarNConfig(k_bits=kb, v_bits=vb, group_size=128)
-       for kb in SUPPORTED_BITS for vb in SUPPORTED_BITS if vb <= kb},
+    **{
+        f"k{kb}v{vb}_g128": KVarNConfig(k_bits=kb, v_bits=vb, group_size=128)
+        for kb in SUPPORTED_BITS
+        for vb in SUPPORTED_BITS
+        if vb <= kb
+    },
     "k4v2_g64": KVarNConfig(k_bits=4, v_bits=2, group_size=64),
     # Beyond the paper: key rotation chosen per kv head (values always rotated).
     "auto2": KVarNConfig(k_bits=2, v_bits=2, group_size=128, rotate_keys="auto"),
@@ -107,15 +112,21 @@ def get_preset(preset: "str | KVarNConfig", **overrides) -> KVarNConfig:
     if m:
         kb, vb, g, auto = m.groups()
         try:
-            named = KVarNConfig(k_bits=int(kb), v_bits=int(vb), group_size=int(g),
-                                rotate_keys="auto" if auto else True)
+            named = KVarNConfig(
+                k_bits=int(kb),
+                v_bits=int(vb),
+                group_size=int(g),
+                rotate_keys="auto" if auto else True,
+            )
         except ValueError:  # widths or G not supported: the message below lists what is
             pass
     if named is None:
         valid = ", ".join(PRESETS)
-        raise ValueError(f"unknown KVarN preset {preset!r}; valid presets: {valid}, or any kXvY_gG or "
-                         f"kXvY_gG_auto with X, Y in {SUPPORTED_BITS} and G in {SUPPORTED_GROUP_SIZES} "
-                         "(or a KVarNConfig)")
+        raise ValueError(
+            f"unknown KVarN preset {preset!r}; valid presets: {valid}, or any kXvY_gG or "
+            f"kXvY_gG_auto with X, Y in {SUPPORTED_BITS} and G in {SUPPORTED_GROUP_SIZES} (or a "
+            "KVarNConfig)"
+        )
     return replace(named, **overrides)
 
 

@@ -39,44 +39,115 @@ class UsageError(ValueError):
 
 def setup_arg_parser():
     p = argparse.ArgumentParser(description="Generate text with a KVarN-quantized KV cache.")
-    p.add_argument("--model", default=None,
-                   help="Local MLX model folder or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="Message for the model ('-' reads stdin)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=(
+            "Local MLX model folder or Hugging Face repo id (default: the embedded "
+            "SmolLM2-135M-Instruct)"
+        ),
+    )
+    p.add_argument(
+        "--prompt", "-p", default=DEFAULT_PROMPT, help="Message for the model ('-' reads stdin)"
+    )
     p.add_argument("--system-prompt", default=None, help="System prompt for the chat template")
-    p.add_argument("--ignore-chat-template", action="store_true", help="Use the raw prompt without the chat template")
-    p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS, help="Maximum tokens to generate")
+    p.add_argument(
+        "--ignore-chat-template",
+        action="store_true",
+        help="Use the raw prompt without the chat template",
+    )
+    p.add_argument(
+        "--max-tokens",
+        "-m",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="Maximum tokens to generate",
+    )
     p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p")
     p.add_argument("--seed", type=int, default=None, help="PRNG seed")
-    p.add_argument("--kv-preset", default=DEFAULT_PRESET,
-                   help=f"KV cache: one of {', '.join([*PRESETS, FP16])} (default {DEFAULT_PRESET})")
-    p.add_argument("--kv-sink", type=int, default=None, help="Leading tokens kept in full precision (default: one tile)")
-    p.add_argument("--kv-fp16-layers", default=None, metavar="I,J,...",
-                   help="Layers left in mlx-lm's plain cache whatever --kv-preset, e.g. 0,-1 (negative: from the end)")
-    p.add_argument("--kv-profile", default=None, metavar="PROFILE.json",
-                   help="Per-layer key and value widths chosen from this model's calibration profile "
-                        "(python -m kvarn_mlx.calibrate), instead of --kv-preset's")
-    p.add_argument("--kv-bytes-like", default=None, metavar="PRESET",
-                   help=f"With --kv-profile: at most this preset's bytes, the least predicted KL "
-                        f"(default {DEFAULT_PRESET})")
-    p.add_argument("--kv-max-kl", type=float, default=None, metavar="KL",
-                   help="With --kv-profile: the fewest bytes whose predicted KL (nats) is at most this")
-    p.add_argument("--compare", action="store_true", help="Also run the prompt with mlx-lm's plain cache and compare")
-    p.add_argument("--prompt-cache-file", default=None,
-                   help="Reuse the cache saved in this file; if it does not exist, save the cache there "
-                        "afterwards ('.safetensors' is added when missing, as mlx-lm does)")
-    p.add_argument("--prefill-step-size", type=int, default=2048, help="Prompt tokens per prefill step")
-    p.add_argument("--max-kv-bytes", default=None, metavar="SIZE",
-                   help="Stop before the KV cache could hold more than SIZE (e.g. 2GB, 512MiB; K/M/G are "
-                        "powers of 1024), checked before every prompt chunk and every token; with --compare, "
-                        "for each cache; a --draft-model's own cache is not counted")
-    p.add_argument("--draft-model", default=None,
-                   help="A smaller model with the same tokenizer drafting tokens for speculative decoding")
-    p.add_argument("--num-draft-tokens", type=int, default=3, help="Tokens the draft model proposes per step")
-    p.add_argument("--allow-beyond-context", action="store_true",
-                   help="Keep generating past the model's context length (max_position_embeddings)")
-    p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
-                   help="Stream text and print the stats block (default true)")
+    p.add_argument(
+        "--kv-preset",
+        default=DEFAULT_PRESET,
+        help=f"KV cache: one of {', '.join([*PRESETS, FP16])} (default {DEFAULT_PRESET})",
+    )
+    p.add_argument(
+        "--kv-sink",
+        type=int,
+        default=None,
+        help="Leading tokens kept in full precision (default: one tile)",
+    )
+    p.add_argument(
+        "--kv-fp16-layers",
+        default=None,
+        metavar="I,J,...",
+        help=(
+            "Layers left in mlx-lm's plain cache whatever --kv-preset, e.g. 0,-1 (negative: from "
+            "the end)"
+        ),
+    )
+    p.add_argument(
+        "--kv-profile",
+        default=None,
+        metavar="PROFILE.json",
+        help="Per-layer key and value widths chosen from this model's calibration profile "
+        "(python -m kvarn_mlx.calibrate), instead of --kv-preset's",
+    )
+    p.add_argument(
+        "--kv-bytes-like",
+        default=None,
+        metavar="PRESET",
+        help=f"With --kv-profile: at most this preset's bytes, the least predicted KL "
+        f"(default {DEFAULT_PRESET})",
+    )
+    p.add_argument(
+        "--kv-max-kl",
+        type=float,
+        default=None,
+        metavar="KL",
+        help="With --kv-profile: the fewest bytes whose predicted KL (nats) is at most this",
+    )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="Also run the prompt with mlx-lm's plain cache and compare",
+    )
+    p.add_argument(
+        "--prompt-cache-file",
+        default=None,
+        help="Reuse the cache saved in this file; if it does not exist, save the cache there "
+        "afterwards ('.safetensors' is added when missing, as mlx-lm does)",
+    )
+    p.add_argument(
+        "--prefill-step-size", type=int, default=2048, help="Prompt tokens per prefill step"
+    )
+    p.add_argument(
+        "--max-kv-bytes",
+        default=None,
+        metavar="SIZE",
+        help="Stop before the KV cache could hold more than SIZE (e.g. 2GB, 512MiB; K/M/G are "
+        "powers of 1024), checked before every prompt chunk and every token; with --compare, for "
+        "each cache; a --draft-model's own cache is not counted",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="A smaller model with the same tokenizer drafting tokens for speculative decoding",
+    )
+    p.add_argument(
+        "--num-draft-tokens", type=int, default=3, help="Tokens the draft model proposes per step"
+    )
+    p.add_argument(
+        "--allow-beyond-context",
+        action="store_true",
+        help="Keep generating past the model's context length (max_position_embeddings)",
+    )
+    p.add_argument(
+        "--verbose",
+        type=lambda s: s.lower() in ("1", "true", "yes"),
+        default=True,
+        help="Stream text and print the stats block (default true)",
+    )
     return p
 
 
@@ -89,10 +160,15 @@ def check_args(args):
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens {args.max_tokens}: generate at least 1 token")
     if args.prefill_step_size < 1:
-        raise UsageError(f"--prefill-step-size {args.prefill_step_size}: process at least 1 prompt token per step")
+        raise UsageError(
+            f"--prefill-step-size {args.prefill_step_size}: process at least 1 prompt token per "
+            "step"
+        )
     if args.kv_sink is not None and args.kv_sink < 0:
-        raise UsageError(f"--kv-sink {args.kv_sink}: the number of leading tokens kept in full precision "
-                         "is 0 or more")
+        raise UsageError(
+            f"--kv-sink {args.kv_sink}: the number of leading tokens kept in full precision is 0 "
+            "or more"
+        )
     if args.seed is not None and not 0 <= args.seed < 2**64:
         raise UsageError(f"--seed {args.seed}: use an integer from 0 to 2**64 - 1")
     if not (math.isfinite(args.temp) and args.temp >= 0):
@@ -100,7 +176,9 @@ def check_args(args):
     if not 0 <= args.top_p <= 1:  # NaN fails too
         raise UsageError(f"--top-p {args.top_p}: use a number from 0 to 1 (1 keeps every token)")
     if args.num_draft_tokens < 1:
-        raise UsageError(f"--num-draft-tokens {args.num_draft_tokens}: the draft model proposes at least 1 token")
+        raise UsageError(
+            f"--num-draft-tokens {args.num_draft_tokens}: the draft model proposes at least 1 token"
+        )
     if args.max_kv_bytes is not None:
         try:
             budget.parse_size(args.max_kv_bytes)
@@ -112,7 +190,10 @@ def kv_profile(args):
     """(profile path, bytes_like, max_kl) for make_cache, the profile's structure
     checked (no model needed), or (None, None, None) without --kv-profile."""
     if args.kv_profile is not None and args.kv_fp16_layers:
-        raise UsageError("--kv-fp16-layers and --kv-profile do not combine: the profile chooses every layer's widths")
+        raise UsageError(
+            "--kv-fp16-layers and --kv-profile do not combine: the profile chooses every layer's "
+            "widths"
+        )
     try:
         return profiles.flags(args.kv_profile, args.kv_bytes_like, args.kv_max_kl, DEFAULT_PRESET)
     except ValueError as e:
@@ -126,8 +207,10 @@ def fp16_layers(args):
     try:
         return [int(i) for i in args.kv_fp16_layers.split(",")]
     except ValueError:
-        raise UsageError(f"--kv-fp16-layers {args.kv_fp16_layers!r}: use layer indices separated by commas, "
-                         "e.g. 0,-1 (negative ones count from the last layer)") from None
+        raise UsageError(
+            f"--kv-fp16-layers {args.kv_fp16_layers!r}: use layer indices separated by commas, "
+            "e.g. 0,-1 (negative ones count from the last layer)"
+        ) from None
 
 
 def read_prompt(args):
@@ -135,8 +218,10 @@ def read_prompt(args):
         prompt = args.prompt.replace("\\n", "\n")
     elif mx.distributed.init().size() > 1:
         # Ranks would share (or lack) stdin: each must see the same prompt.
-        raise UsageError("--prompt - reads stdin, which mlx.launch does not give every rank alike; "
-                         'pass the text itself, e.g. --prompt "$(cat prompt.txt)"')
+        raise UsageError(
+            "--prompt - reads stdin, which mlx.launch does not give every rank alike; "
+            'pass the text itself, e.g. --prompt "$(cat prompt.txt)"'
+        )
     else:
         raw = getattr(sys.stdin, "buffer", None)
         if raw is None:  # a text stream without bytes underneath
@@ -146,11 +231,15 @@ def read_prompt(args):
             try:
                 prompt = data.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise UsageError(f"stdin is not valid UTF-8 (byte {e.start} is 0x{data[e.start]:02x}); "
-                                 "convert it first, e.g. with `iconv -f latin1 -t utf-8`") from None
+                raise UsageError(
+                    f"stdin is not valid UTF-8 (byte {e.start} is 0x{data[e.start]:02x}); convert "
+                    "it first, e.g. with `iconv -f latin1 -t utf-8`"
+                ) from None
     if args.ignore_chat_template and not prompt.strip():
-        raise UsageError("empty prompt: with --ignore-chat-template the model needs some text to continue; "
-                         "pass --prompt TEXT")
+        raise UsageError(
+            "empty prompt: with --ignore-chat-template the model needs some text to continue; pass "
+            "--prompt TEXT"
+        )
     return prompt
 
 
@@ -194,15 +283,24 @@ def context_limit(model, args, held, n_prompt):
         msg = f"the {what} is longer than the model's {limit}-token context"
         if not args.allow_beyond_context:
             raise UsageError(f"{msg}; shorten it, or pass --allow-beyond-context to run anyway")
-        print(f"warning: {msg}; --allow-beyond-context: the output may be meaningless", file=sys.stderr)
+        print(
+            f"warning: {msg}; --allow-beyond-context: the output may be meaningless",
+            file=sys.stderr,
+        )
         return args.max_tokens
     if held + n_prompt + args.max_tokens > limit:
-        msg = f"the {what} + --max-tokens {args.max_tokens} go beyond the model's {limit}-token context"
+        msg = (
+            f"the {what} + --max-tokens {args.max_tokens} go beyond the model's {limit}-token "
+            "context"
+        )
         if args.allow_beyond_context:
             print(f"warning: {msg}; --allow-beyond-context: generating past it", file=sys.stderr)
             return args.max_tokens
         room = limit - held - n_prompt
-        print(f"warning: {msg}; stopping after {room} tokens (--allow-beyond-context goes on)", file=sys.stderr)
+        print(
+            f"warning: {msg}; stopping after {room} tokens (--allow-beyond-context goes on)",
+            file=sys.stderr,
+        )
         return room
     return args.max_tokens
 
@@ -215,7 +313,9 @@ def kv_budget(model, cache, args):
     """The --max-kv-bytes budget of this cache, or None."""
     if args.max_kv_bytes is None:
         return None
-    return budget.KVBudget(model, cache, budget.parse_size(args.max_kv_bytes), args.prefill_step_size)
+    return budget.KVBudget(
+        model, cache, budget.parse_size(args.max_kv_bytes), args.prefill_step_size
+    )
 
 
 def check_prefill_budget(kv, done, total, step_size, whole=False):
@@ -233,12 +333,25 @@ def check_prefill_budget(kv, done, total, step_size, whole=False):
         else:
             kv.check(2)
     except budget.BudgetExceeded as e:
-        raise UsageError(f"--max-kv-bytes: the {total}-token prompt does not fit; after {done} prompt tokens "
-                         f"{e}. Raise --max-kv-bytes, shorten the prompt, or pick a smaller --kv-preset "
-                         "(python -m kvarn_mlx.plan shows how much context fits per cache)") from None
+        raise UsageError(
+            f"--max-kv-bytes: the {total}-token prompt does not fit; after {done} prompt tokens "
+            f"{e}. Raise --max-kv-bytes, shorten the prompt, or pick a smaller --kv-preset (python "
+            "-m kvarn_mlx.plan shows how much context fits per cache)"
+        ) from None
 
 
-def run(model, tokenizer, prompt_ids, cache, args, max_tokens=None, ctrl_c=None, out=None, kv=None, draft=None):
+def run(
+    model,
+    tokenizer,
+    prompt_ids,
+    cache,
+    args,
+    max_tokens=None,
+    ctrl_c=None,
+    out=None,
+    kv=None,
+    draft=None,
+):
     """Stream one generation into `out` (stdout) when verbose; returns (text, last response).
     Stops early when ctrl_c.pressed (last is None if that was before the first token), or
     before a step that could take the cache past the budget `kv` (budget.KVBudget): inside
@@ -254,7 +367,12 @@ def run(model, tokenizer, prompt_ids, cache, args, max_tokens=None, ctrl_c=None,
         if kv is not None and done < total:
             check_prefill_budget(kv, done, total, args.prefill_step_size)
         if total > args.prefill_step_size:
-            print(f"\rprefill {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr, flush=True)
+            print(
+                f"\rprefill {done}/{total} tokens",
+                end="" if done < total else "\n",
+                file=sys.stderr,
+                flush=True,
+            )
 
     text, last = "", None
     speculative, step = {}, 1
@@ -262,11 +380,21 @@ def run(model, tokenizer, prompt_ids, cache, args, max_tokens=None, ctrl_c=None,
         speculative = dict(draft_model=draft, num_draft_tokens=args.num_draft_tokens)
         cache = cache + make_prompt_cache(draft)
         step = args.num_draft_tokens + 1  # a verification step: the drafts and one more
-        if kv is not None:  # mlx-lm's speculative decoding reports no prompt progress: the whole prompt now
+        if (
+            kv is not None
+        ):  # mlx-lm's speculative decoding reports no prompt progress: the whole prompt now
             check_prefill_budget(kv, 0, len(prompt_ids), args.prefill_step_size, whole=True)
-    stream = stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler,
-                             prompt_cache=cache, prefill_step_size=args.prefill_step_size,
-                             prompt_progress_callback=progress, **speculative)
+    stream = stream_generate(
+        model,
+        tokenizer,
+        prompt_ids,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        prompt_cache=cache,
+        prefill_step_size=args.prefill_step_size,
+        prompt_progress_callback=progress,
+        **speculative,
+    )
     try:
         for r in stream:
             text += r.text
@@ -283,8 +411,11 @@ def run(model, tokenizer, prompt_ids, cache, args, max_tokens=None, ctrl_c=None,
                 except budget.BudgetExceeded as e:
                     if args.verbose:
                         print(file=out)
-                    print(f"stopped after {r.generation_tokens} generated tokens by --max-kv-bytes: {e}",
-                          file=sys.stderr)
+                    print(
+                        f"stopped after {r.generation_tokens} generated tokens by --max-kv-bytes: "
+                        f"{e}",
+                        file=sys.stderr,
+                    )
                     break
     except _StopPrefill:
         pass
@@ -314,31 +445,58 @@ def print_stats(name, last, cache, out=None):
     print("=" * 10, file=out)
     print(f"KV cache: {name}", file=out)
     if last is not None:
-        print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens-per-sec", file=out)
-        print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens-per-sec", file=out)
+        print(
+            f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens-per-sec", file=out
+        )
+        print(
+            f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} "
+            "tokens-per-sec",
+            file=out,
+        )
         print(f"Peak memory: {last.peak_memory:.3f} GB", file=out)
     room = f" ({mib(s['unused'])} of it preallocated room)" if s["unused"] else ""
     print(f"KV bytes held: {mib(s['held'])} for {context_tokens(cache)} tokens{room}", file=out)
     if not kvarn:
-        print(f"  mlx-lm's plain cache, {dtype_name}; 2-byte (fp16) equivalent: {mib(s['fp16'])}", file=out)
+        print(
+            f"  mlx-lm's plain cache, {dtype_name}; 2-byte (fp16) equivalent: {mib(s['fp16'])}",
+            file=out,
+        )
         return s
     if s["tiles"] == 0:
         c = kvarn[0]
-        start = memory.saving_starts_at(c.config, c.sink_k.shape[-1], dtype.size) if dtype is not None else None
+        start = (
+            memory.saving_starts_at(c.config, c.sink_k.shape[-1], dtype.size)
+            if dtype is not None
+            else None
+        )
         where = f"; KVarN starts saving memory from token {start}" if start is not None else ""
-        print(f"  no tile quantized yet: every token is held in {dtype_name}, as in mlx-lm's plain cache{where}",
-              file=out)
+        print(
+            f"  no tile quantized yet: every token is held in {dtype_name}, as in mlx-lm's plain "
+            f"cache{where}",
+            file=out,
+        )
         return s
-    print(f"  mlx-lm's plain cache, {dtype_name}: {mib(s['plain'])} (KVarN holds {s['ratio_plain']:.2f}x less)",
-          file=out)
-    print(f"  2-byte (fp16) equivalent: {mib(s['fp16'])} (KVarN holds {s['ratio_fp16']:.2f}x less)", file=out)
+    print(
+        f"  mlx-lm's plain cache, {dtype_name}: {mib(s['plain'])} (KVarN holds "
+        f"{s['ratio_plain']:.2f}x less)",
+        file=out,
+    )
+    print(
+        f"  2-byte (fp16) equivalent: {mib(s['fp16'])} (KVarN holds {s['ratio_fp16']:.2f}x less)",
+        file=out,
+    )
     print(f"Tiles quantized: {s['tiles']} per layer in {len(kvarn)}/{len(cache)} layers", file=out)
     # A layer decides its key rotation at its first tile; before that there is nothing to report.
-    decided = [c.key_rotation_summary() for c in kvarn if c.config.rotate_keys == "auto" and c.n_tiles]
+    decided = [
+        c.key_rotation_summary() for c in kvarn if c.config.rotate_keys == "auto" and c.n_tiles
+    ]
     decided = [d for d in decided if d is not None]
     if decided:
-        print(f"Key rotation (auto): {sum(r for r, _ in decided)}/{sum(n for _, n in decided)} kv heads rotated, "
-              f"decided in {len(decided)} layers", file=out)
+        print(
+            f"Key rotation (auto): {sum(r for r, _ in decided)}/{sum(n for _, n in decided)} kv "
+            f"heads rotated, decided in {len(decided)} layers",
+            file=out,
+        )
     return s
 
 
@@ -347,14 +505,26 @@ def print_comparison(cache, ref_cache, last, ref_last, out=None):
     (preallocated room left out: the plain cache adds room 256 tokens at a time), and speed."""
     out = out or sys.stdout
     kvarn, plain = memory.cache_bytes(cache), memory.cache_bytes(ref_cache)
-    per_token = [(s["held"] - s["unused"]) / max(1, context_tokens(c))
-                 for s, c in ((plain, ref_cache), (kvarn, cache))]
-    print(f"Measured, held: plain {mib(plain['held'])}, KVarN {mib(kvarn['held'])}; "
-          f"plain/KVarN {plain['held'] / kvarn['held']:.2f}x", file=out)
-    print(f"Measured, per token without preallocated room: plain {per_token[0]:.0f} bytes, "
-          f"KVarN {per_token[1]:.0f} bytes; plain/KVarN {per_token[0] / per_token[1]:.2f}x", file=out)
+    per_token = [
+        (s["held"] - s["unused"]) / max(1, context_tokens(c))
+        for s, c in ((plain, ref_cache), (kvarn, cache))
+    ]
+    print(
+        f"Measured, held: plain {mib(plain['held'])}, KVarN {mib(kvarn['held'])}; plain/KVarN "
+        f"{plain['held'] / kvarn['held']:.2f}x",
+        file=out,
+    )
+    print(
+        f"Measured, per token without preallocated room: plain {per_token[0]:.0f} bytes, KVarN "
+        f"{per_token[1]:.0f} bytes; plain/KVarN {per_token[0] / per_token[1]:.2f}x",
+        file=out,
+    )
     if last is not None and ref_last is not None:
-        print(f"Generation speed ratio KVarN/plain: {last.generation_tps / ref_last.generation_tps:.2f}", file=out)
+        print(
+            "Generation speed ratio KVarN/plain: "
+            f"{last.generation_tps / ref_last.generation_tps:.2f}",
+            file=out,
+        )
 
 
 def _one_line(e):
@@ -403,7 +573,9 @@ def generate(args):
         if profile is not None:
             try:
                 mix = profile_mix(model, profile, bytes_like, max_kl)[0]
-                cache = make_cache(model, profile=profile, bytes_like=bytes_like, max_kl=max_kl, sink=args.kv_sink)
+                cache = make_cache(
+                    model, profile=profile, bytes_like=bytes_like, max_kl=max_kl, sink=args.kv_sink
+                )
             except ValueError as e:
                 raise UsageError(f"--kv-profile: {e}") from None
             name = f"per-layer widths from {profile}"
@@ -411,18 +583,33 @@ def generate(args):
                 print(mix.describe(), file=sys.stderr)
         else:
             try:
-                cache = make_cache(model, args.kv_preset, sink=args.kv_sink, fp16_layers=fp16_layers(args))
+                cache = make_cache(
+                    model, args.kv_preset, sink=args.kv_sink, fp16_layers=fp16_layers(args)
+                )
             except ValueError as e:
                 if not args.kv_fp16_layers:
                     raise
-                raise UsageError(f"--kv-fp16-layers {args.kv_fp16_layers}: {e}") from None  # a layer the model lacks
-            name = args.kv_preset + (f", layers {args.kv_fp16_layers} plain" if args.kv_fp16_layers else "")
+                raise UsageError(
+                    f"--kv-fp16-layers {args.kv_fp16_layers}: {e}"
+                ) from None  # a layer the model lacks
+            name = args.kv_preset + (
+                f", layers {args.kv_fp16_layers} plain" if args.kv_fp16_layers else ""
+            )
     held = getattr(cache[0], "offset", 0) if cache else 0
     max_tokens = context_limit(model, args, held, len(prompt_ids))
 
     with CtrlC() as ctrl_c:
-        text, last = run(model, tokenizer, prompt_ids, cache, args, max_tokens, ctrl_c,
-                         kv=kv_budget(model, cache, args), draft=draft)
+        text, last = run(
+            model,
+            tokenizer,
+            prompt_ids,
+            cache,
+            args,
+            max_tokens,
+            ctrl_c,
+            kv=kv_budget(model, cache, args),
+            draft=draft,
+        )
     if ctrl_c.pressed:
         print("interrupted: stopped the generation", file=sys.stderr)
     if args.verbose:
@@ -431,8 +618,10 @@ def generate(args):
         print(text)
     if cache_file and not reuse:
         if last is None:  # stopped inside the prompt: the cache holds part of it
-            print(f"not saving the prompt cache to {cache_file}: the prompt was not fully processed",
-                  file=sys.stderr)
+            print(
+                f"not saving the prompt cache to {cache_file}: the prompt was not fully processed",
+                file=sys.stderr,
+            )
         else:
             prompt_cache.save(cache_file, cache, identity)
             print(f"Saved the prompt cache to {cache_file}", file=sys.stderr)
@@ -444,8 +633,17 @@ def generate(args):
         print("\n--- same prompt, mlx-lm's plain KV cache (--kv-preset fp16) ---")
         ref_cache = make_cache(model, FP16)
         with CtrlC() as ctrl_c:
-            ref_text, ref_last = run(model, tokenizer, prompt_ids, ref_cache, args, max_tokens, ctrl_c,
-                                     kv=kv_budget(model, ref_cache, args), draft=draft)
+            ref_text, ref_last = run(
+                model,
+                tokenizer,
+                prompt_ids,
+                ref_cache,
+                args,
+                max_tokens,
+                ctrl_c,
+                kv=kv_budget(model, ref_cache, args),
+                draft=draft,
+            )
         if not args.verbose:
             print(ref_text)
         print_stats(FP16, ref_last, ref_cache)

@@ -21,7 +21,8 @@ class Refused(ValueError):
 
 
 def split_host(value):
-    """'name', 'name:port', '[v6]:port' or 'v6' -> lower-case name without brackets (None if malformed)."""
+    """'name', 'name:port', '[v6]:port' or 'v6' -> lower-case name without brackets (None if
+    malformed)."""
     value = (value or "").strip().lower()
     if value.startswith("["):
         name, sep, rest = value[1:].partition("]")
@@ -44,7 +45,8 @@ def _ip(name):
 
 
 def is_local_name(name):
-    """localhost, *.localhost (browsers resolve both to loopback themselves) or a loopback address."""
+    """localhost, *.localhost (browsers resolve both to loopback themselves) or a loopback
+    address."""
     ip = _ip(name)
     return name == "localhost" or name.endswith(".localhost") or (ip is not None and ip.is_loopback)
 
@@ -67,8 +69,11 @@ def check_host(host, local_addr=None, allowed=()):
     ip = _ip(name)
     if ip is not None and local_addr and ip == _ip(str(local_addr).lower()):
         return
-    raise Refused(f"Host {host!r} is not a name of this server; if it is (a reverse proxy, a LAN name), "
-                    "start the server with --allowed-hosts NAME", code="invalid_host")
+    raise Refused(
+        f"Host {host!r} is not a name of this server; if it is (a reverse proxy, a LAN name), "
+        "start the server with --allowed-hosts NAME",
+        code="invalid_host",
+    )
 
 
 def check_origin(origin, host, scheme="http", allowed=()):
@@ -82,8 +87,12 @@ def check_origin(origin, host, scheme="http", allowed=()):
     parts = urlsplit(origin)
     if origin != "null" and parts.scheme == scheme and parts.netloc == (host or "").strip().lower():
         return
-    raise Refused(f"requests from the web page at Origin {origin!r} are not allowed; to allow it, start the "
-                    "server with --allowed-origins ORIGIN", code="forbidden_origin", status=403)
+    raise Refused(
+        f"requests from the web page at Origin {origin!r} are not allowed; to allow it, start the "
+        "server with --allowed-origins ORIGIN",
+        code="forbidden_origin",
+        status=403,
+    )
 
 
 def check_api_key(authorization, key):
@@ -92,8 +101,11 @@ def check_api_key(authorization, key):
         return
     scheme, _, token = (authorization or "").strip().partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise Refused("this server needs its API key: send `Authorization: Bearer <key>`",
-                        code="invalid_api_key", status=401)
+        raise Refused(
+            "this server needs its API key: send `Authorization: Bearer <key>`",
+            code="invalid_api_key",
+            status=401,
+        )
 
 
 def check_json_type(content_type):
@@ -101,5 +113,8 @@ def check_json_type(content_type):
     which any page may send without a CORS preflight, is refused."""
     mime = (content_type or "").partition(";")[0].strip().lower()
     if mime != "application/json":
-        raise Refused(f"send the body as application/json (got Content-Type {content_type!r})",
-                        code="unsupported_media_type", status=415)
+        raise Refused(
+            f"send the body as application/json (got Content-Type {content_type!r})",
+            code="unsupported_media_type",
+            status=415,
+        )

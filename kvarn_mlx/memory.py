@@ -19,7 +19,9 @@ def _tokens_and_dims(c):
         B, H, _, Dk = c.sink_k.shape
         return B, H, c.offset, Dk, c.sink_v.shape[-1], c.sink_k.dtype
     keys, values = getattr(c, "keys", None), getattr(c, "values", None)
-    if isinstance(keys, (tuple, list)) and keys and isinstance(keys[0], mx.array):  # QuantizedKVCache
+    if (
+        isinstance(keys, (tuple, list)) and keys and isinstance(keys[0], mx.array)
+    ):  # QuantizedKVCache
         bits = c.bits
         B, H, cap, kw = keys[0].shape
         n = min(_offset(c), cap)
@@ -32,7 +34,9 @@ def _tokens_and_dims(c):
 
 def _offset(c):
     off = getattr(c, "offset", 0)
-    if isinstance(off, mx.array):  # batched caches keep one offset per row; _idx is the write position
+    if isinstance(
+        off, mx.array
+    ):  # batched caches keep one offset per row; _idx is the write position
         return int(getattr(c, "_idx", off.max().item()))
     return int(off)
 
@@ -57,7 +61,9 @@ def layer_bytes(c) -> dict:
     held = int(c.nbytes)
     dims = _tokens_and_dims(c)
     if dims is None:
-        if isinstance(c, KVarNCache) or hasattr(c, "keys"):  # a key/value cache before its first token
+        if isinstance(c, KVarNCache) or hasattr(
+            c, "keys"
+        ):  # a key/value cache before its first token
             return {"held": held, "unused": held, "tokens": 0, "plain": 0, "fp16": 0}
         fp16 = sum(2 * x.size for x in _arrays(c.state))
         return {"held": held, "unused": 0, "tokens": 0, "plain": held, "fp16": fp16}
@@ -70,7 +76,13 @@ def layer_bytes(c) -> dict:
     else:  # quantized: the room beyond the stored tokens in every array
         arrays = [*c.keys, *c.values]
         unused = held - sum(x.nbytes * n // x.shape[2] for x in arrays)
-    return {"held": held, "unused": int(unused), "tokens": n, "plain": elements * dtype.size, "fp16": elements * 2}
+    return {
+        "held": held,
+        "unused": int(unused),
+        "tokens": n,
+        "plain": elements * dtype.size,
+        "fp16": elements * 2,
+    }
 
 
 def cache_bytes(caches) -> dict:
@@ -82,7 +94,11 @@ def cache_bytes(caches) -> dict:
         for k, v in layer_bytes(c).items():
             out[k] += v
     kvarn = [c for c in caches if isinstance(c, KVarNCache)]
-    out.update(kvarn_layers=len(kvarn), layers=len(caches), tiles=max((c.n_tiles for c in kvarn), default=0))
+    out.update(
+        kvarn_layers=len(kvarn),
+        layers=len(caches),
+        tiles=max((c.n_tiles for c in kvarn), default=0),
+    )
     held = out["held"]
     out["ratio_plain"] = out["plain"] / held if held else 0.0
     out["ratio_fp16"] = out["fp16"] / held if held else 0.0
@@ -133,12 +149,14 @@ def kv_dtype(cache):
 
 
 def panel(cache) -> dict:
-    """cache_bytes (tokens: the sequence's, the most any layer holds) plus what a memory panel says before the first tile: the dtype
-    full-precision tokens are held in (the plain cache's) and saving_from, the
-    token from which the first KVarN layer holds less than the plain cache
-    (None without KVarN layers, or while the cache is empty)."""
+    """cache_bytes (tokens: the sequence's, the most any layer holds) plus what a memory
+    panel says before the first tile: the dtype full-precision tokens are held in (the plain
+    cache's) and saving_from, the token from which the first KVarN layer holds less than the
+    plain cache (None without KVarN layers, or while the cache is empty)."""
     out = cache_bytes(cache)
-    out["tokens"] = max((layer_bytes(c)["tokens"] for c in cache), default=0)  # of the sequence, not summed
+    out["tokens"] = max(
+        (layer_bytes(c)["tokens"] for c in cache), default=0
+    )  # of the sequence, not summed
     dtype = kv_dtype(cache)
     kvarn = [c for c in cache if isinstance(c, KVarNCache) and not c.empty()]
     out["dtype"] = None if dtype is None else str(dtype).removeprefix("mlx.core.")

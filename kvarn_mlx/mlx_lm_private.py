@@ -8,7 +8,9 @@ from mlx_lm.models.cache import _BaseCache as BaseCache
 
 MLX_LM_PRIVATE = {
     "mlx_lm.models.cache:_BaseCache": "BaseCache: the base class of mlx-lm's caches (KVarNCache's)",
-    "mlx_lm.utils:_get_classes": "model_classes: a model's classes from its config, without loading weights",
+    "mlx_lm.utils:_get_classes": (
+        "model_classes: a model's classes from its config, without loading weights"
+    ),
 }
 
 __all__ = ["BaseCache", "MLX_LM_PRIVATE", "model_classes"]

@@ -23,8 +23,15 @@ FORMAT = "kvarn-mlx-prompt-cache"
 FORMAT_VERSION = "1"
 SUFFIX = ".safetensors"
 # Files that define what the model computes from the same token ids.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
 _SAMPLE = 1 << 20  # bytes read at the start, middle and end of each weights file
 _HEADER_MAX = 100 << 20  # larger safetensors headers are treated as corrupt
 
@@ -65,10 +72,15 @@ def model_identity(model_spec, model, tokenizer=None):
     else:
         name = str(model_spec)
     args = getattr(model, "args", None)
-    kv_heads = getattr(args, "num_key_value_heads", None) or getattr(args, "num_attention_heads", None)
-    return {"model": name, "model_hash": h.hexdigest()[:32],
-            "model_layers": str(len(make_prompt_cache(model))),
-            "model_kv_heads": "" if kv_heads is None else str(kv_heads)}
+    kv_heads = getattr(args, "num_key_value_heads", None) or getattr(
+        args, "num_attention_heads", None
+    )
+    return {
+        "model": name,
+        "model_hash": h.hexdigest()[:32],
+        "model_layers": str(len(make_prompt_cache(model))),
+        "model_kv_heads": "" if kv_heads is None else str(kv_heads),
+    }
 
 
 def _model_folder(spec):
@@ -128,21 +140,33 @@ def read_metadata(path):
         head = f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
         if n < 2 or n > min(size - 8, _HEADER_MAX):
-            raise PromptCacheError(f"{path} is not a safetensors file (or is truncated); "
-                                   "delete it or pass another file")
+            raise PromptCacheError(
+                f"{path} is not a safetensors file (or is truncated); delete it or pass another "
+                "file"
+            )
         try:
             header = json.loads(f.read(n))
         except ValueError:
-            raise PromptCacheError(f"{path} has a corrupt safetensors header; delete it or pass another file") from None
+            raise PromptCacheError(
+                f"{path} has a corrupt safetensors header; delete it or pass another file"
+            ) from None
     if not isinstance(header, dict):
-        raise PromptCacheError(f"{path} has a corrupt safetensors header; delete it or pass another file")
+        raise PromptCacheError(
+            f"{path} has a corrupt safetensors header; delete it or pass another file"
+        )
     try:
-        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        end = max(
+            (int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0
+        )
     except (TypeError, KeyError, ValueError, IndexError):
-        raise PromptCacheError(f"{path} has a corrupt safetensors header; delete it or pass another file") from None
+        raise PromptCacheError(
+            f"{path} has a corrupt safetensors header; delete it or pass another file"
+        ) from None
     if 8 + n + end != size:
-        raise PromptCacheError(f"{path} is truncated or damaged ({size} bytes, its header describes "
-                               f"{8 + n + end}); delete it and build the cache again")
+        raise PromptCacheError(
+            f"{path} is truncated or damaged ({size} bytes, its header describes {8 + n + end}); "
+            "delete it and build the cache again"
+        )
     meta = header.get("__metadata__") or {}
     # save_prompt_cache flattens [metadata, classes, scalars]; the user's metadata is "0.<key>".
     return {k[2:]: v for k, v in meta.items() if k.startswith("0.")}
@@ -164,25 +188,34 @@ def check_writable(path, overwrite=False):
     folder = path.parent
     if not folder.is_dir():
         what = "is not a folder" if folder.exists() else "does not exist"
-        raise PromptCacheError(f"cannot save the prompt cache to {path}: {folder} {what}; "
-                               "create the folder or pass another path")
+        raise PromptCacheError(
+            f"cannot save the prompt cache to {path}: {folder} {what}; create the folder or pass "
+            "another path"
+        )
     if path.is_dir():
-        raise PromptCacheError(f"cannot save the prompt cache to {path}: it is a folder; pass a file name")
+        raise PromptCacheError(
+            f"cannot save the prompt cache to {path}: it is a folder; pass a file name"
+        )
     if path.exists() and not overwrite and not is_prompt_cache(path):
-        raise PromptCacheError(f"{path} exists and is not a kvarn-mlx prompt-cache file; refusing to "
-                               "overwrite it. Pass another file name")
+        raise PromptCacheError(
+            f"{path} exists and is not a kvarn-mlx prompt-cache file; refusing to overwrite it. "
+            "Pass another file name"
+        )
     try:  # the only check that holds for every user and file system: create a file
         fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
     except OSError as e:
-        raise PromptCacheError(f"cannot save the prompt cache to {path}: {folder} is not writable "
-                               f"({e.strerror}); pass a path in a writable folder") from None
+        raise PromptCacheError(
+            f"cannot save the prompt cache to {path}: {folder} is not writable ({e.strerror}); "
+            "pass a path in a writable folder"
+        ) from None
     os.close(fd)
     os.unlink(probe)
     return path
 
 
 def kv_settings(cache):
-    """The KV cache kinds and settings of a prompt cache, as JSON (one entry per distinct layer kind)."""
+    """The KV cache kinds and settings of a prompt cache, as JSON (one entry per distinct
+    layer kind)."""
     kinds = []
     for c in cache:
         config = getattr(c, "config", None)
@@ -199,8 +232,13 @@ def save(path, cache, model_info, metadata=None, overwrite=False):
     folder, then a rename): an interrupted save leaves the old file or none.
     model_info: model_identity(...). metadata: more str -> str entries. Returns the path."""
     path = check_writable(path, overwrite)
-    meta = {**(metadata or {}), **model_info, "format": FORMAT, "format_version": FORMAT_VERSION,
-            "kv_settings": kv_settings(cache)}
+    meta = {
+        **(metadata or {}),
+        **model_info,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "kv_settings": kv_settings(cache),
+    }
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + SUFFIX, dir=path.parent)
     os.close(fd)
     try:
@@ -227,11 +265,15 @@ def check_file(path):
         raise PromptCacheError(f"no prompt-cache file at {path}")
     meta = read_metadata(path)
     if meta.get("format") != FORMAT:
-        raise PromptCacheError(f"{path} is not a kvarn-mlx prompt-cache file (no {FORMAT} metadata); "
-                               "pass a file saved by kvarn-mlx, or a new name to save one")
+        raise PromptCacheError(
+            f"{path} is not a kvarn-mlx prompt-cache file (no {FORMAT} metadata); pass a file "
+            "saved by kvarn-mlx, or a new name to save one"
+        )
     if meta.get("format_version") != FORMAT_VERSION:
-        raise PromptCacheError(f"{path} has prompt-cache format version {meta.get('format_version')!r}; "
-                               f"this version reads {FORMAT_VERSION}. Build the cache again")
+        raise PromptCacheError(
+            f"{path} has prompt-cache format version {meta.get('format_version')!r}; this version "
+            f"reads {FORMAT_VERSION}. Build the cache again"
+        )
     return meta
 
 
@@ -241,22 +283,30 @@ def load(path, model_info):
     path = cache_path(path)
     meta = check_file(path)
     if meta.get("model_hash") != model_info["model_hash"]:
-        raise PromptCacheError(f"{path} was saved with model {_describe(meta)}, not with the model loaded now, "
-                               f"{_describe(model_info)}; pass that model with --model, or another file")
+        raise PromptCacheError(
+            f"{path} was saved with model {_describe(meta)}, not with the model loaded now, "
+            f"{_describe(model_info)}; pass that model with --model, or another file"
+        )
     try:
         cache, meta = load_prompt_cache(str(path), return_metadata=True)
     except Exception as e:  # mlx and the cache classes raise plain RuntimeError/ValueError/KeyError
-        raise PromptCacheError(f"cannot read the prompt cache {path} ({e}); delete it and build the cache again") from e
+        raise PromptCacheError(
+            f"cannot read the prompt cache {path} ({e}); delete it and build the cache again"
+        ) from e
     layers = int(model_info["model_layers"])
     if len(cache) != layers:
-        raise PromptCacheError(f"{path} holds {len(cache)} cache layers but {model_info['model']} has {layers}; "
-                               "delete it and build the cache again")
+        raise PromptCacheError(
+            f"{path} holds {len(cache)} cache layers but {model_info['model']} has {layers}; "
+            "delete it and build the cache again"
+        )
     want = model_info.get("model_kv_heads")
     for c in cache:
         heads = _kv_heads(c)
         if want and heads is not None and heads != int(want):
-            raise PromptCacheError(f"{path} holds {heads} kv heads per layer but {model_info['model']} has "
-                                   f"{want}; delete it and build the cache again")
+            raise PromptCacheError(
+                f"{path} holds {heads} kv heads per layer but {model_info['model']} has {want}; "
+                "delete it and build the cache again"
+            )
     return cache, {k: v for k, v in meta.items()}
 
 

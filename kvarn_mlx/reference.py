@@ -80,6 +80,7 @@ _HADAMARD_M = {
 
 # 1. Rotation ---------------------------------------------------------------
 
+
 def sylvester(n):
     """The +/-1 Sylvester-Hadamard matrix: H[i, j] = (-1)^popcount(i & j)."""
     i = np.arange(n)
@@ -105,6 +106,7 @@ def _is_pow2(n):
 
 
 # 2. Variance normalization -------------------------------------------------
+
 
 def std(x, axis):
     return np.std(x, axis=axis, ddof=1, keepdims=True)
@@ -139,6 +141,7 @@ def normalize(M, iters=8):
 
 # 3. Asymmetric round-to-nearest, per row -----------------------------------
 
+
 def rtn(X, bits):
     """Per-row min/max RTN; returns (code, scale, lo), code in [0, 2^bits - 1]."""
     qmax = 2**bits - 1
@@ -150,6 +153,7 @@ def rtn(X, bits):
 
 
 # 4. Absorbed scales and reconstruction -------------------------------------
+
 
 def quantize_tile(M, bits, iters=8):
     """One rotated tile M [R, C] -> (code [R, C], a [R], b [R], col [C]).
@@ -195,7 +199,9 @@ def fp8_encode(x):
     """float -> e4m3 bytes: round to nearest, ties to an even mantissa, saturating at 448."""
     x = np.asarray(x, np.float32)
     mag = np.minimum(np.abs(x), 448.0)
-    hi = np.clip(np.searchsorted(_FP8_VALUES, mag), 1, 126)  # _FP8_VALUES[hi - 1] <= mag <= _FP8_VALUES[hi]
+    hi = np.clip(
+        np.searchsorted(_FP8_VALUES, mag), 1, 126
+    )  # _FP8_VALUES[hi - 1] <= mag <= _FP8_VALUES[hi]
     lo = hi - 1
     d_lo, d_hi = mag - _FP8_VALUES[lo], _FP8_VALUES[hi] - mag
     code = np.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
@@ -235,7 +241,9 @@ def quantize_tile_fp8(M, bits, iters=8):
     M = M.astype(np.float32)
     balanced, sc, sr = normalize(M, iters)
     _, scale, lo = rtn(balanced, bits)
-    return fp8_store(M, bits, (sr * scale)[:, 0], (sr * lo)[:, 0], sc[0], scale[:, 0] > np.float32(1e-10))
+    return fp8_store(
+        M, bits, (sr * scale)[:, 0], (sr * lo)[:, 0], sc[0], scale[:, 0] > np.float32(1e-10)
+    )
 
 
 def dequantize_tile(code, a, b, col):
@@ -256,6 +264,7 @@ def quantize_value_tile(v, bits, iters=8):
 
 # 7. Packing: one LSB-first bitstream per row, in uint32 words ------------------
 
+
 def pack(code, bits):
     """Codes [..., C] (each < 2^bits) -> words [..., C*bits/32]: code i of a row
     takes bits [i*bits, i*bits + bits) of the row's bitstream, bit j of the
@@ -263,7 +272,10 @@ def pack(code, bits):
     6-bit code may straddle two words)."""
     C = code.shape[-1]
     if (C * bits) % 32:
-        raise ValueError(f"{C} codes of {bits} bits do not fill whole uint32 words (C*bits must be a multiple of 32)")
+        raise ValueError(
+            f"{C} codes of {bits} bits do not fill whole uint32 words (C*bits must be a multiple "
+            "of 32)"
+        )
     c = code.astype(np.uint32)
     stream = (c[..., None] >> np.arange(bits, dtype=np.uint32)) & np.uint32(1)
     stream = stream.reshape(*code.shape[:-1], -1, 32)
@@ -273,10 +285,13 @@ def pack(code, bits):
 def unpack(words, bits):
     stream = (words[..., None] >> np.arange(32, dtype=np.uint32)) & np.uint32(1)
     stream = stream.reshape(*words.shape[:-1], -1, bits)
-    return np.bitwise_or.reduce(stream << np.arange(bits, dtype=np.uint32), axis=-1).astype(np.uint8)
+    return np.bitwise_or.reduce(stream << np.arange(bits, dtype=np.uint32), axis=-1).astype(
+        np.uint8
+    )
 
 
 # Attention over a packed cache (one kv head) ---------------------------------
+
 
 def attention(q, sink_k, sink_v, key_tiles, value_tiles, tail_k, tail_v, scale, causal=True):
     """Queries q [n, L, D] (the kv head's query heads, the last L positions) over
@@ -288,8 +303,16 @@ def attention(q, sink_k, sink_v, key_tiles, value_tiles, tail_k, tail_v, scale, 
     D = q.shape[-1]
     H = hadamard(D)
     q = q.astype(np.float64)
-    K_rot = np.concatenate([dequantize_tile(*t).T for t in key_tiles], 0) if key_tiles else np.zeros((0, D))
-    V_rot = np.concatenate([dequantize_tile(*t) for t in value_tiles], 0) if value_tiles else np.zeros((0, D))
+    K_rot = (
+        np.concatenate([dequantize_tile(*t).T for t in key_tiles], 0)
+        if key_tiles
+        else np.zeros((0, D))
+    )
+    V_rot = (
+        np.concatenate([dequantize_tile(*t) for t in value_tiles], 0)
+        if value_tiles
+        else np.zeros((0, D))
+    )
     # (q H) . (k H) = q . k, so the rotated tiles score against rotated queries.
     s = np.concatenate([q @ sink_k.T, (q @ H) @ K_rot.T, q @ tail_k.T], -1) * scale
     L, T = q.shape[1], s.shape[-1]
@@ -299,5 +322,5 @@ def attention(q, sink_k, sink_v, key_tiles, value_tiles, tail_k, tail_v, scale, 
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     S, N = len(sink_k), len(K_rot)
-    o = p[..., :S] @ sink_v + (p[..., S:S + N] @ V_rot) @ H.T + p[..., S + N:] @ tail_v
+    o = p[..., :S] @ sink_v + (p[..., S : S + N] @ V_rot) @ H.T + p[..., S + N :] @ tail_v
     return o

@@ -68,7 +68,11 @@ def decide(cand: KeyCandidates, k_bits, queries=None):
         p_hat = mx.softmax(q @ mx.swapaxes(k_hat, -1, -2), axis=-1, precise=True)
         return mx.mean(mx.abs(p_hat - p).sum(axis=-1), axis=(0, 2))  # per kv head
 
-    keep = attention_error(*cand.rotated, True) * KEY_ROTATION_MARGIN <= attention_error(*cand.plain, False)
-    chosen = tuple(mx.where(keep.reshape(1, H, *([1] * (r.ndim - 2))), r, p)
-                   for r, p in zip(cand.rotated, cand.plain))
+    keep = attention_error(*cand.rotated, True) * KEY_ROTATION_MARGIN <= attention_error(
+        *cand.plain, False
+    )
+    chosen = tuple(
+        mx.where(keep.reshape(1, H, *([1] * (r.ndim - 2))), r, p)
+        for r, p in zip(cand.rotated, cand.plain)
+    )
     return keep, chosen

@@ -50,10 +50,12 @@ class TuningError(ValueError):
 def current(device=None) -> dict:
     """The value of every choice the dispatch reads now, for device type `device`."""
     device = device or mx.default_device().type.name
-    return {"min_queries": prefill.MIN_QUERIES.get(device, prefill.MIN_QUERIES["gpu"]),
-            "cpu_streams": dispatch.CPU_STREAMS,
-            "min_stream_tiles": attention.MIN_STREAM_TILES,
-            "target_groups": kernels._ATT_TARGET_GROUPS}
+    return {
+        "min_queries": prefill.MIN_QUERIES.get(device, prefill.MIN_QUERIES["gpu"]),
+        "cpu_streams": dispatch.CPU_STREAMS,
+        "min_stream_tiles": attention.MIN_STREAM_TILES,
+        "target_groups": kernels._ATT_TARGET_GROUPS,
+    }
 
 
 DEFAULTS = {d: current(d) for d in ("cpu", "gpu")}  # as shipped, before any file
@@ -80,8 +82,12 @@ def machine() -> dict:
         chip = info.get("device_name") or info.get("architecture") or ""
     except Exception:  # builds without device_info
         chip = ""
-    return {"mlx": mx.__version__, "chip": chip or platform.processor() or platform.machine(),
-            "system": f"{platform.system()} {platform.machine()}", "cores": os.cpu_count()}
+    return {
+        "mlx": mx.__version__,
+        "chip": chip or platform.processor() or platform.machine(),
+        "system": f"{platform.system()} {platform.machine()}",
+        "cores": os.cpu_count(),
+    }
 
 
 def default_path() -> Path | None:
@@ -104,7 +110,9 @@ def read(path) -> dict:
     here = machine()
     for key in ("mlx", "chip"):
         if data.get(key) != here[key]:
-            raise TuningError(f"it was measured with {key} {data.get(key)!r}, this is {here[key]!r}")
+            raise TuningError(
+                f"it was measured with {key} {data.get(key)!r}, this is {here[key]!r}"
+            )
     device, choices = data.get("device"), data.get("choices")
     if device not in ("cpu", "gpu"):
         raise TuningError(f"device {device!r} is not 'cpu' or 'gpu'")
@@ -130,8 +138,10 @@ def apply(path=None) -> dict | None:
     try:
         data = read(path)
     except TuningError as e:
-        log.warning(f"kvarn_mlx: ignoring the tuning file {path}: {e}; using the defaults "
-                    "(run `python -m kvarn_mlx.bench` to measure this machine)")
+        log.warning(
+            f"kvarn_mlx: ignoring the tuning file {path}: {e}; using the defaults (run `python -m "
+            "kvarn_mlx.bench` to measure this machine)"
+        )
         return None
     set_choices(data["device"], data["choices"])
     return data["choices"]
@@ -142,17 +152,24 @@ def check_writable(path) -> Path:
     any file already there is a tuning file (checked before measuring)."""
     path = Path(path).expanduser()
     if path.is_dir():
-        raise TuningError(f"cannot write the tuning file to {path}: it is a folder; pass a file name")
+        raise TuningError(
+            f"cannot write the tuning file to {path}: it is a folder; pass a file name"
+        )
     if not path.parent.is_dir():
-        raise TuningError(f"cannot write the tuning file to {path}: {path.parent} is not a folder; create it first")
+        raise TuningError(
+            f"cannot write the tuning file to {path}: {path.parent} is not a folder; create it "
+            "first"
+        )
     if path.exists():
         try:
             ours = json.loads(path.read_text()).get("kind") == KIND
         except (OSError, UnicodeDecodeError, ValueError, AttributeError):
             ours = False
         if not ours:
-            raise TuningError(f"{path} exists and is not a kvarn-mlx tuning file; refusing to overwrite it. "
-                              "Pass another file name with --out")
+            raise TuningError(
+                f"{path} exists and is not a kvarn-mlx tuning file; refusing to overwrite it. Pass "
+                "another file name with --out"
+            )
     return path
 
 
@@ -160,7 +177,14 @@ def write(path, device, choices, figures) -> Path:
     """Write a tuning file atomically (a temp file in the same folder, then a
     rename), never over a file that is not one."""
     path = check_writable(path)
-    data = {"kind": KIND, "format": FORMAT, **machine(), "device": device, "choices": choices, "figures": figures}
+    data = {
+        "kind": KIND,
+        "format": FORMAT,
+        **machine(),
+        "device": device,
+        "choices": choices,
+        "figures": figures,
+    }
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
