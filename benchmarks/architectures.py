@@ -73,7 +73,10 @@ def memory_ratio(family, N):
 
 
 def greedy(model, cache, prompt):
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=STEPS, prompt_cache=cache)]
+    return [
+        int(t)
+        for t, _ in generate_step(mx.array(prompt), model, max_tokens=STEPS, prompt_cache=cache)
+    ]
 
 
 def teacher_forced(model, cache, prompt, toks):
@@ -90,7 +93,10 @@ def fidelity(model, make):
     ref = teacher_forced(model, make_prompt_cache(model), prompt, toks)
     try:
         got = teacher_forced(model, make(), prompt, toks)
-    except (ValueError, TypeError):  # mlx-lm 4-bit: no sinks, no head dim 96, no mx.fast callers, no CacheList
+    except (
+        ValueError,
+        TypeError,
+    ):  # mlx-lm 4-bit: no sinks, no head dim 96, no mx.fast callers, no CacheList
         return "n/a"
     kl = (np.exp(ref) * (ref - got)).sum(-1).mean()
     return f"{(got.argmax(-1) == np.array(toks)).sum()}/{STEPS}, KL {kl:.1e}"
@@ -99,7 +105,10 @@ def fidelity(model, make):
 def mlx_lm_4bit(model):
     caches = make_prompt_cache(model)
     if not any(type(c) is KVCache for c in caches):
-        raise ValueError("mlx-lm's --kv-bits quantizes top-level KVCache layers only (not those inside a CacheList)")
+        raise ValueError(
+            "mlx-lm's --kv-bits quantizes top-level KVCache layers only (not those inside a "
+            "CacheList)"
+        )
     return [c.to_quantized(group_size=64, bits=4) if type(c) is KVCache else c for c in caches]
 
 
@@ -108,13 +117,20 @@ def greedy_8bit(model):
         return "needs 8-bit widths"
     prompt = tokens(PROMPT, seed=4)
     got = greedy(model, kvarn_mlx.make_cache(model, "k8v8_g128", sink=SINK), prompt)
-    plain = list(generate_step(mx.array(prompt), model, max_tokens=STEPS, prompt_cache=make_prompt_cache(model)))
+    plain = list(
+        generate_step(
+            mx.array(prompt), model, max_tokens=STEPS, prompt_cache=make_prompt_cache(model)
+        )
+    )
     first = next((i for i, (a, (b, _)) in enumerate(zip(got, plain)) if a != int(b)), None)
     if first is None:
         return "equal"
     logprobs = np.sort(np.array(plain[first][1]))
     gap = (logprobs[-1] - logprobs[-2]) / (logprobs[-1] - logprobs[0])
-    return f"equal to step {first}, where the plain cache's top two are {gap:.1e} of the logit range apart"
+    return (
+        f"equal to step {first}, where the plain cache's top two are {gap:.1e} of the logit range "
+        "apart"
+    )
 
 
 def main():
@@ -123,27 +139,42 @@ def main():
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     mem = " | ".join(f"memory vs plain, {n} tokens" for n in args.tokens)
-    lines = [f"| family | mlx-lm class | KVarN layers / all | attention | {mem} | "
-             "k4v4: top-1 agreement, KL (teacher-forced) | mlx-lm 4-bit: same | k8v8: 32 greedy tokens |",
-             "|" + "---|" * (7 + len(args.tokens))]
+    lines = [
+        f"| family | mlx-lm class | KVarN layers / all | attention | {mem} | k4v4: top-1 "
+        "agreement, KL (teacher-forced) | mlx-lm 4-bit: same | k8v8: 32 greedy tokens |",
+        "|" + "---|" * (7 + len(args.tokens)),
+    ]
     for family, cfg in FAMILIES.items():
         model = tiny_model(family)
-        module = cfg["model_type"] + (f" ({cfg['text_config']['model_type']})" if "text_config" in cfg else "")
-        row = [family, f"mlx_lm.models.{module}", layers_replaced(model), attention_path(model),
-               *(memory_ratio(family, n) for n in args.tokens),
-               fidelity(model, lambda: kvarn_mlx.make_cache(model, "k4v4_g128", sink=SINK)),
-               fidelity(model, lambda: mlx_lm_4bit(model)), greedy_8bit(model)]
+        module = cfg["model_type"] + (
+            f" ({cfg['text_config']['model_type']})" if "text_config" in cfg else ""
+        )
+        row = [
+            family,
+            f"mlx_lm.models.{module}",
+            layers_replaced(model),
+            attention_path(model),
+            *(memory_ratio(family, n) for n in args.tokens),
+            fidelity(model, lambda: kvarn_mlx.make_cache(model, "k4v4_g128", sink=SINK)),
+            fidelity(model, lambda: mlx_lm_4bit(model)),
+            greedy_8bit(model),
+        ]
         lines.append("| " + " | ".join(row) + " |")
         print(lines[-1], flush=True)
-    meta = metadata("tiny random-weight models of tests/archmodels.py",
-                    "python benchmarks/architectures.py " + " ".join(sys.argv[1:]))
-    intro = ("Sink 16 tokens, tiles of 128. Memory: held bytes of the KVarN k4v4 layers against the plain "
-             "cache's same layers holding the same tokens; float16 models, except MoE (qwen3_moe, gpt_oss, "
-             "qwen3_next) in float32, which mlx runs float32 only on the CPU. Fidelity: 32 decode steps after a "
-             f"{PROMPT}-token prompt, teacher-forced on the plain cache's greedy tokens. Random weights leave "
-             "many near-tied logits: these numbers check the integration per architecture, not the quality "
-             "a trained model would see (the model cards measure that). mlx-lm 4-bit n/a: mlx-lm raises on "
-             "that model, or (falcon_h1) its --kv-bits leaves the KVCache inside a CacheList unquantized.\n")
+    meta = metadata(
+        "tiny random-weight models of tests/archmodels.py",
+        "python benchmarks/architectures.py " + " ".join(sys.argv[1:]),
+    )
+    intro = (
+        "Sink 16 tokens, tiles of 128. Memory: held bytes of the KVarN k4v4 layers against the "
+        "plain cache's same layers holding the same tokens; float16 models, except MoE "
+        "(qwen3_moe, gpt_oss, qwen3_next) in float32, which mlx runs float32 only on the CPU. "
+        f"Fidelity: 32 decode steps after a {PROMPT}-token prompt, teacher-forced on the plain "
+        "cache's greedy tokens. Random weights leave many near-tied logits: these numbers check "
+        "the integration per architecture, not the quality a trained model would see (the model "
+        "cards measure that). mlx-lm 4-bit n/a: mlx-lm raises on that model, or (falcon_h1) its "
+        "--kv-bits leaves the KVCache inside a CacheList unquantized.\n"
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     md = ["# KVarN across architectures\n", meta_markdown(meta), intro, *lines]
     (args.out / "architectures.md").write_text("\n".join(md) + "\n")

@@ -55,31 +55,63 @@ def main():
         v = mx.random.normal((1, HKV, ctx, D))
         mx.eval(q, k, v)
         res = {}
-        res["fp32"] = bench(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), args.reps)
+        res["fp32"] = bench(
+            lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), args.reps
+        )
         q16, k16, v16 = q.astype(mx.float16), k.astype(mx.float16), v.astype(mx.float16)
-        res["fp16"] = bench(lambda: mx.fast.scaled_dot_product_attention(q16, k16, v16, scale=scale), args.reps)
+        res["fp16"] = bench(
+            lambda: mx.fast.scaled_dot_product_attention(q16, k16, v16, scale=scale), args.reps
+        )
         for bits in (4, 2):
-            kq, vq = mx.quantize(k, group_size=64, bits=bits), mx.quantize(v, group_size=64, bits=bits)
+            kq, vq = (
+                mx.quantize(k, group_size=64, bits=bits),
+                mx.quantize(v, group_size=64, bits=bits),
+            )
             mx.eval(kq, vq)
-            res[f"mlxq{bits}"] = bench(lambda: quantized_scaled_dot_product_attention(
-                q, kq, vq, scale=scale, mask=None, group_size=64, bits=bits), args.reps)
+            res[f"mlxq{bits}"] = bench(
+                lambda: quantized_scaled_dot_product_attention(
+                    q, kq, vq, scale=scale, mask=None, group_size=64, bits=bits
+                ),
+                args.reps,
+            )
         for preset in args.presets.split(","):
             c = KVarNCache(preset)
             for s in range(0, ctx, 2048):
                 c.update_and_fetch(k[:, :, s : s + 2048], v[:, :, s : s + 2048])
                 mx.eval([x for x in c.state.values() if isinstance(x, mx.array)])
-            c.update_and_fetch(k[:, :, :0], v[:, :, :0])  # a 0-token step: attention sees every tile
+            c.update_and_fetch(
+                k[:, :, :0], v[:, :, :0]
+            )  # a 0-token step: attention sees every tile
             res[preset] = bench(lambda: packed_attention(q, c, scale), args.reps)
         for m, t in res.items():
-            rows.append({"context": ctx, "method": m, "ms": 1000 * t, "vs_fp32": t / res["fp32"], "vs_fp16": t / res["fp16"]})
+            rows.append(
+                {
+                    "context": ctx,
+                    "method": m,
+                    "ms": 1000 * t,
+                    "vs_fp32": t / res["fp32"],
+                    "vs_fp16": t / res["fp16"],
+                }
+            )
         print(ctx, {m: f"{1000 * t:.2f}ms" for m, t in res.items()}, file=sys.stderr)
-    meta = metadata(f"attention only: {HQ} query heads, {HKV} kv heads, D={D}, 1 query token",
-                    "python benchmarks/attention_micro.py " + " ".join(sys.argv[1:]))
-    md = ["# Attention-only decode microbenchmark\n", meta_markdown(meta),
-          f"\nMedian of {args.reps} calls. Time ratio > 1 means slower than the float path. **CPU caveat**: MLX's CPU "
-          "quantized matmul is slow and float16 has no fast CPU path; Apple silicon will differ.\n",
-          "| context | method | ms | time vs fp32 | time vs fp16 |", "|---|---|---|---|---|"]
-    md += [f"| {r['context']} | {r['method']} | {r['ms']:.2f} | {r['vs_fp32']:.2f}x | {r['vs_fp16']:.2f}x |" for r in rows]
+    meta = metadata(
+        f"attention only: {HQ} query heads, {HKV} kv heads, D={D}, 1 query token",
+        "python benchmarks/attention_micro.py " + " ".join(sys.argv[1:]),
+    )
+    md = [
+        "# Attention-only decode microbenchmark\n",
+        meta_markdown(meta),
+        f"\nMedian of {args.reps} calls. Time ratio > 1 means slower than the float path. **CPU "
+        "caveat**: MLX's CPU quantized matmul is slow and float16 has no fast CPU path; Apple "
+        "silicon will differ.\n",
+        "| context | method | ms | time vs fp32 | time vs fp16 |",
+        "|---|---|---|---|---|",
+    ]
+    md += [
+        f"| {r['context']} | {r['method']} | {r['ms']:.2f} | {r['vs_fp32']:.2f}x | "
+        f"{r['vs_fp16']:.2f}x |"
+        for r in rows
+    ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "attention_micro.md").write_text("\n".join(md) + "\n")

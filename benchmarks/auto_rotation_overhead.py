@@ -35,7 +35,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--prompt-tokens", type=int, default=1024)
-    p.add_argument("--gen", type=int, default=1000, help="decode steps the one-time cost is spread over")
+    p.add_argument(
+        "--gen", type=int, default=1000, help="decode steps the one-time cost is spread over"
+    )
     args = p.parse_args()
     model, tok = load(args.model)
     ids = tok.encode(open(pydoc_data.topics.__file__).read())[: args.prompt_tokens]
@@ -58,16 +60,23 @@ def main():
         k, _ = c.dequantized()
         G, S = c.config.group_size, c.config.sink_size
         k_tiles = k[..., S : S + G, :].reshape(k.shape[0], k.shape[1], 1, G, k.shape[3])
-        q = k[..., S + G :, :][..., :256, :] * k.shape[3] ** -0.5  # stand-in queries, as many rows as a prefill chunk
+        q = (
+            k[..., S + G :, :][..., :256, :] * k.shape[3] ** -0.5
+        )  # stand-in queries, as many rows as a prefill chunk
 
         def decide():
             return rotation.decide(rotation.candidates(k_tiles, c.config, 0), c.config.k_bits, q)
 
-        extra += timed(decide, reps=3) - timed(lambda: kvarn_mlx.quant.quantize_keys(k_tiles, c.config.k_bits), reps=3)
+        extra += timed(decide, reps=3) - timed(
+            lambda: kvarn_mlx.quant.quantize_keys(k_tiles, c.config.k_bits), reps=3
+        )
     print(f"machine: {platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}")
     print(f"decode step: {1e3 * step:.1f} ms at {len(ids)} tokens")
-    print(f"decision extra work, all {len(layers)} layers: {1e3 * extra:.1f} ms "
-          f"(= {extra / step:.2f} decode steps; {100 * extra / (step * args.gen):.3f}% of {args.gen} decode steps)")
+    print(
+        f"decision extra work, all {len(layers)} layers: {1e3 * extra:.1f} ms (= "
+        f"{extra / step:.2f} decode steps; {100 * extra / (step * args.gen):.3f}% of {args.gen} "
+        "decode steps)"
+    )
     print(f"state per kv head: one bool; kv heads that kept key rotation: {rotated}/{heads}")
 
 

@@ -1,4 +1,4 @@
-"""Measured KV bytes per token for every preset, from the arrays a cache holds.
+r"""Measured KV bytes per token for every preset, from the arrays a cache holds.
 
 Fills one layer's cache (1 batch row, 1 kv head, float16 K/V) with the same
 tokens for every KVarN preset (sink 128), the same presets with fp8 scales
@@ -8,7 +8,8 @@ holds (room included) by the tokens. Tile bytes per token are the tiles'
 codes and scales over the tokens in them (docs/algorithm.md, "Storage and
 bytes per token").
 
-    python benchmarks/bytes_per_token.py [--tokens 4096 32896] [--dims 64 128 256] [--out benchmarks/results]
+    python benchmarks/bytes_per_token.py [--tokens 4096 32896] [--dims 64 128 256] \
+        [--out benchmarks/results]
 """
 
 import argparse
@@ -43,11 +44,13 @@ def caches():
 
 
 def table(tokens, dims):
-    lines = [f"Bytes per token per kv head, {tokens} tokens, float16 K/V, one layer, one kv head "
-             "(`python benchmarks/bytes_per_token.py`): measured from the arrays each cache holds.",
-             "",
-             "| cache | D | tiles: bytes/token | whole cache: bytes/token | plain KVCache / this |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"Bytes per token per kv head, {tokens} tokens, float16 K/V, one layer, one kv head "
+        "(`python benchmarks/bytes_per_token.py`): measured from the arrays each cache holds.",
+        "",
+        "| cache | D | tiles: bytes/token | whole cache: bytes/token | plain KVCache / this |",
+        "|---|---|---|---|---|",
+    ]
     for D in dims:
         plain = fill(KVCache(), tokens, D)
         for name, make in caches():
@@ -57,7 +60,10 @@ def table(tokens, dims):
                 tiles = f"{(b['codes'] + b['scales']) / (c.n_tiles * c.config.group_size):.2f}"
             else:
                 tiles = "-"
-            lines.append(f"| {name} | {D} | {tiles} | {c.nbytes / tokens:.2f} | {plain.nbytes / c.nbytes:.2f}x |")
+            lines.append(
+                f"| {name} | {D} | {tiles} | {c.nbytes / tokens:.2f} | "
+                f"{plain.nbytes / c.nbytes:.2f}x |"
+            )
             print(lines[-1], flush=True)
         lines.append(f"| plain KVCache (float16) | {D} | - | {plain.nbytes / tokens:.2f} | 1.00x |")
     return "\n".join(lines) + "\n"

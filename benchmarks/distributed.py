@@ -43,13 +43,28 @@ def launcher(ranks):
 
 
 def run_generate(ranks, model, prompt, max_tokens, preset):
-    cmd = [*launcher(ranks), sys.executable, "-m", "kvarn_mlx.generate", "--prompt", prompt,
-           "--max-tokens", str(max_tokens), "--kv-preset", preset, *(["--model", model] if model else [])]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=3600)
+    cmd = [
+        *launcher(ranks),
+        sys.executable,
+        "-m",
+        "kvarn_mlx.generate",
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        str(max_tokens),
+        "--kv-preset",
+        preset,
+        *(["--model", model] if model else []),
+    ]
+    out = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=3600
+    )
     text, _, stats = out.stdout.partition("==========")
     held = re.search(r"KV bytes held: ([\d.]+) MiB for (\d+) tokens", stats)
     if held is None:
-        raise SystemExit(f"generate on {ranks} rank(s) printed no statistics:\n{out.stdout}\n{out.stderr}")
+        raise SystemExit(
+            f"generate on {ranks} rank(s) printed no statistics:\n{out.stdout}\n{out.stderr}"
+        )
     return {"text": text, "kv_mib": float(held[1]), "tokens": int(held[2])}
 
 
@@ -58,28 +73,48 @@ def run_server(ranks, model, prompt, max_tokens, preset, log_dir):
     with open(log_dir / f"server_{ranks}.log", "w") as log:
         proc, url = start(model or "embedded:smollm2-135m-instruct", flags, log, launcher(ranks))
         try:
-            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.0}
-            req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+            body = {
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+            }
+            req = urllib.request.Request(
+                url + "/v1/chat/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             with urllib.request.urlopen(req, timeout=3600) as r:
                 reply = json.loads(r.read())
             held = get(url + "/v1/kv_stats")["prompt_cache"]
         finally:
             stop(proc)
-    return {"text": reply["choices"][0]["message"]["content"], "kv_mib": held["held"] / 2**20,
-            "tokens": held["tokens"]}
+    return {
+        "text": reply["choices"][0]["message"]["content"],
+        "kv_mib": held["held"] / 2**20,
+        "tokens": held["tokens"],
+    }
 
 
 def markdown(meta, args, rows):
-    lines = ["# More than one Mac: mlx.launch on one machine", "", meta_markdown(meta), "",
-             f"`mlx.launch --backend ring -n {args.ranks}` on localhost against one process, same prompt, greedy, "
-             f"{args.max_tokens} tokens, `--kv-preset {args.kv_preset}`. KV MiB: bytes of the arrays rank 0 holds "
-             "(generate's statistics; the server's prompt cache after the request, GET /v1/kv_stats).", "",
-             "| command | ranks | same text as one process | tokens in cache | KV MiB (rank 0) | one process / rank 0 |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "# More than one Mac: mlx.launch on one machine",
+        "",
+        meta_markdown(meta),
+        "",
+        f"`mlx.launch --backend ring -n {args.ranks}` on localhost against one process, same "
+        f"prompt, greedy, {args.max_tokens} tokens, `--kv-preset {args.kv_preset}`. KV MiB: bytes "
+        "of the arrays rank 0 holds (generate's statistics; the server's prompt cache after the "
+        "request, GET /v1/kv_stats).",
+        "",
+        "| command | ranks | same text as one process | tokens in cache | KV MiB (rank 0) | one "
+        "process / rank 0 |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['command']} | {r['ranks']} | {r['same_text']} | {r['tokens']} | {r['kv_mib']:.2f} | "
-                     f"{r['ratio']:.2f}x |")
+        lines.append(
+            f"| {r['command']} | {r['ranks']} | {r['same_text']} | {r['tokens']} | "
+            f"{r['kv_mib']:.2f} | {r['ratio']:.2f}x |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -92,8 +127,10 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--out", default=str(HERE / "results"))
     args = p.parse_args(argv)
-    meta = metadata(args.model or "SmolLM2-135M-Instruct (embedded)", "python benchmarks/distributed.py "
-                    + " ".join(argv if argv is not None else sys.argv[1:]))
+    meta = metadata(
+        args.model or "SmolLM2-135M-Instruct (embedded)",
+        "python benchmarks/distributed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    )
     prompt = prompt_text(args.prompt_chars)
     rows = []
     with tempfile.TemporaryDirectory() as logs:
@@ -102,9 +139,17 @@ def main(argv=None):
             one = run(1, args.model, prompt, args.max_tokens, args.kv_preset, *extra)
             many = run(args.ranks, args.model, prompt, args.max_tokens, args.kv_preset, *extra)
             for ranks, r in ((1, one), (args.ranks, many)):
-                rows.append({"command": command, "ranks": ranks, "same_text": r["text"] == one["text"],
-                             "tokens": r["tokens"], "kv_mib": r["kv_mib"], "ratio": one["kv_mib"] / r["kv_mib"],
-                             "text": r["text"]})
+                rows.append(
+                    {
+                        "command": command,
+                        "ranks": ranks,
+                        "same_text": r["text"] == one["text"],
+                        "tokens": r["tokens"],
+                        "kv_mib": r["kv_mib"],
+                        "ratio": one["kv_mib"] / r["kv_mib"],
+                        "text": r["text"],
+                    }
+                )
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "text"}), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Time the KVarN Metal kernels against the MLX ops path and mlx-lm's fp16 attention.
+r"""Time the KVarN Metal kernels against the MLX ops path and mlx-lm's fp16 attention.
 
     python benchmarks/kernels.py [--heads 32 --kv-heads 8 --head-dim 128 --preset k4v2_g128]
 
@@ -9,10 +9,12 @@ Decode attention (one query token) at 1K, 8K and 32K context:
 and tile quantization of one layer's prefill (kernel vs quant.quantize_keys/values).
 Needs a Metal device: elsewhere it says so and exits 0.
 
-    python benchmarks/kernels.py --chunks [--contexts 1024,4096,8192 --lengths 1,2,4,8,16,64,512,2048]
+    python benchmarks/kernels.py --chunks \
+        [--contexts 1024,4096,8192 --lengths 1,2,4,8,16,64,512,2048]
 
 Attention of a chunk of L query tokens over a filled cache, on any device:
-  packed      = what attention.py runs without prefill.py: the kernel (L <= 8, Metal) or the ops path
+  packed      = what attention.py runs without prefill.py: the kernel (L <= 8, Metal) or
+                the ops path
   dequantized = prefill.attend_dequantized (tiles dequantized into a buffer, fused SDPA)
   plain       = mx.fast.scaled_dot_product_attention over float K/V (mlx-lm's plain cache)
 and the smallest L from which the dequantized path is the faster one at every
@@ -43,8 +45,14 @@ def main(argv=None):
     p.add_argument("--preset", default="k4v2_g128")
     p.add_argument("--contexts", default="1024,8192,32768")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--chunks", action="store_true", help="time chunk attention, packed vs dequantized (any device)")
-    p.add_argument("--lengths", default="1,2,4,8,16,32,64,128,512,2048", help="chunk lengths for --chunks")
+    p.add_argument(
+        "--chunks",
+        action="store_true",
+        help="time chunk attention, packed vs dequantized (any device)",
+    )
+    p.add_argument(
+        "--lengths", default="1,2,4,8,16,32,64,128,512,2048", help="chunk lengths for --chunks"
+    )
     p.add_argument("--dtype", default="float16", help="K/V and query dtype for --chunks")
     a = p.parse_args(argv)
     if a.chunks:
@@ -58,7 +66,10 @@ def main(argv=None):
     from kvarn_mlx.tiles import StepView, Tiles
 
     if not (hasattr(mx, "metal") and mx.metal.is_available()):
-        print("benchmarks/kernels.py needs a Metal device (Apple silicon, macOS); nothing to time here.")
+        print(
+            "benchmarks/kernels.py needs a Metal device (Apple silicon, macOS); nothing to time "
+            "here."
+        )
         return 0
 
     cfg = get_preset(a.preset)
@@ -66,8 +77,14 @@ def main(argv=None):
     S = G if cfg.sink is None else cfg.sink
     B, Hq, Hkv, D = 1, a.heads, a.kv_heads, a.head_dim
     scale = D**-0.5
-    print(f"preset {a.preset}: K{kb} V{vb} G={G} sink={S}; B={B} Hq={Hq} Hkv={Hkv} D={D}; {mx.default_device()}")
-    print(f"{'context':>8} {'kernel ms':>10} {'ops ms':>10} {'fp16 ms':>10} {'ops/kernel':>11} {'kernel/fp16':>12}")
+    print(
+        f"preset {a.preset}: K{kb} V{vb} G={G} sink={S}; B={B} Hq={Hq} Hkv={Hkv} D={D}; "
+        f"{mx.default_device()}"
+    )
+    print(
+        f"{'context':>8} {'kernel ms':>10} {'ops ms':>10} {'fp16 ms':>10} {'ops/kernel':>11} "
+        f"{'kernel/fp16':>12}"
+    )
     for ctx in (int(c) for c in a.contexts.split(",")):
         n = (ctx - S) // G
         T = ctx - S - n * G
@@ -84,19 +101,28 @@ def main(argv=None):
         view = StepView(sink_k, sink_v, Tiles(*kq, *vq), n, tail_k, tail_v, kb, vb)
         t_k = _timeit(lambda: kernels.packed_attention_metal(q, view, scale), iters=a.iters)
         t_o = _timeit(lambda: attend(q, view, scale), iters=a.iters)
-        t_f = _timeit(lambda: mx.fast.scaled_dot_product_attention(q, K, V, scale=scale), iters=a.iters)
-        print(f"{ctx:>8} {1e3 * t_k:>10.3f} {1e3 * t_o:>10.3f} {1e3 * t_f:>10.3f} {t_o / t_k:>11.2f} {t_k / t_f:>12.2f}")
+        t_f = _timeit(
+            lambda: mx.fast.scaled_dot_product_attention(q, K, V, scale=scale), iters=a.iters
+        )
+        print(
+            f"{ctx:>8} {1e3 * t_k:>10.3f} {1e3 * t_o:>10.3f} {1e3 * t_f:>10.3f} {t_o / t_k:>11.2f} "
+            f"{t_k / t_f:>12.2f}"
+        )
 
     # Tile quantization of a layer's prefill: every tile of every kv head in one dispatch.
     ctx = 8192
     x = mx.random.normal((B, Hkv, ctx // G, G, D)).astype(mx.float16)
     mx.eval(x)
-    for name, fk, fo, bits in (("keys", kernels.quantize_keys_metal, quant.quantize_keys, kb),
-                               ("values", kernels.quantize_values_metal, quant.quantize_values, vb)):
+    for name, fk, fo, bits in (
+        ("keys", kernels.quantize_keys_metal, quant.quantize_keys, kb),
+        ("values", kernels.quantize_values_metal, quant.quantize_values, vb),
+    ):
         t_k = _timeit(lambda: fk(x, bits, cfg.iters), iters=a.iters)
         t_o = _timeit(lambda: fo(x, bits, cfg.iters), iters=a.iters)
-        print(f"quantize {name} ({ctx} tokens x {Hkv} kv heads): kernel {1e3 * t_k:.3f} ms, "
-              f"ops {1e3 * t_o:.3f} ms, ops/kernel {t_o / t_k:.2f}")
+        print(
+            f"quantize {name} ({ctx} tokens x {Hkv} kv heads): kernel {1e3 * t_k:.3f} ms, ops "
+            f"{1e3 * t_o:.3f} ms, ops/kernel {t_o / t_k:.2f}"
+        )
     return 0
 
 
@@ -113,10 +139,15 @@ def chunks(a):
     scale = D**-0.5
     lengths = [int(x) for x in a.lengths.split(",")]
     metal = dispatch.use_metal()
-    print(f"chunk attention, preset {a.preset}; B={B} Hq={Hq} Hkv={Hkv} D={D} {a.dtype}; {mx.default_device()}; "
-          f"packed = {'kernel for L <= 8, else ' if metal else ''}ops path; median of {a.iters}")
-    print(f"{'context':>8} {'L':>6} {'packed ms':>10} {'dequant ms':>11} {'plain ms':>10} "
-          f"{'packed/deq':>11} {'deq/plain':>10}")
+    print(
+        f"chunk attention, preset {a.preset}; B={B} Hq={Hq} Hkv={Hkv} D={D} {a.dtype}; "
+        f"{mx.default_device()}; packed = {'kernel for L <= 8, else ' if metal else ''}ops path; "
+        f"median of {a.iters}"
+    )
+    print(
+        f"{'context':>8} {'L':>6} {'packed ms':>10} {'dequant ms':>11} {'plain ms':>10} "
+        f"{'packed/deq':>11} {'deq/plain':>10}"
+    )
 
     def median_time(fn):
         mx.eval(fn())
@@ -146,16 +177,23 @@ def chunks(a):
             else:
                 t_p = median_time(lambda: attend(q, view, scale, mask))
             t_d = median_time(lambda: prefill.attend_dequantized(q, view, scale, mask))
-            t_f = median_time(lambda: mx.fast.scaled_dot_product_attention(q, K, V, scale=scale, mask=mask))
+            t_f = median_time(
+                lambda: mx.fast.scaled_dot_product_attention(q, K, V, scale=scale, mask=mask)
+            )
             faster[L] = faster.get(L, True) and t_d < t_p
-            print(f"{ctx:>8} {L:>6} {1e3 * t_p:>10.2f} {1e3 * t_d:>11.2f} {1e3 * t_f:>10.2f} "
-                  f"{t_p / t_d:>11.2f} {t_d / t_f:>10.2f}", flush=True)
+            print(
+                f"{ctx:>8} {L:>6} {1e3 * t_p:>10.2f} {1e3 * t_d:>11.2f} {1e3 * t_f:>10.2f} "
+                f"{t_p / t_d:>11.2f} {t_d / t_f:>10.2f}",
+                flush=True,
+            )
             cache.trim(L)
             K = V = view = None  # release this chunk's view before the next
     ok = [L for L in lengths if all(faster[x] for x in lengths if x >= L)]
     device = mx.default_device().type.name
-    print(f"dequantized faster at every context from L = {ok[0] if ok else 'none measured'} on; "
-          f"prefill.MIN_QUERIES[{device!r}] is {prefill.MIN_QUERIES.get(device)}")
+    print(
+        f"dequantized faster at every context from L = {ok[0] if ok else 'none measured'} on; "
+        f"prefill.MIN_QUERIES[{device!r}] is {prefill.MIN_QUERIES.get(device)}"
+    )
     return 0
 
 

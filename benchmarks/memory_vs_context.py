@@ -65,7 +65,9 @@ def kl_of(name):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    p.add_argument(
+        "--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768]
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     contexts = sorted(args.contexts)
@@ -74,17 +76,26 @@ def main():
         rows.append((label, measure(make, contexts), kl_of(name) if name else {}))
         print(label, rows[-1][1], rows[-1][2], flush=True)
 
-    command = "python benchmarks/memory_vs_context.py " + " ".join(["--contexts", *map(str, contexts)])
+    command = "python benchmarks/memory_vs_context.py " + " ".join(
+        ["--contexts", *map(str, contexts)]
+    )
     meta = metadata("one layer: 8 kv heads, D=128, float16 K/V", command)
     plain = rows[0][1]
-    lines = ["# KV memory against context, with each cache's quality", "", meta_markdown(meta), "",
-             f"One attention layer of {HEADS} kv heads of dim {D}, float16 K/V, one sequence, filled with "
-             "random tokens; bytes held (every array, room included). A model holds one such layer per "
-             f"attention layer ({LAYERS} in Qwen3-4B). KL: mean KL to the plain cache from "
-             "frontier_smollm2.md and frontier_gemma3.md (teacher-forced, 1,024 tokens).", "",
-             "| cache | KL SmolLM2 / Gemma-3 | " + " | ".join(f"{c:,} tok" for c in contexts)
-             + " | smaller than plain at the longest |",
-             "|---|---|" + "---|" * len(contexts) + "---|"]
+    lines = [
+        "# KV memory against context, with each cache's quality",
+        "",
+        meta_markdown(meta),
+        "",
+        f"One attention layer of {HEADS} kv heads of dim {D}, float16 K/V, one sequence, filled "
+        "with random tokens; bytes held (every array, room included). A model holds one such "
+        f"layer per attention layer ({LAYERS} in Qwen3-4B). KL: mean KL to the plain cache from "
+        "frontier_smollm2.md and frontier_gemma3.md (teacher-forced, 1,024 tokens).",
+        "",
+        "| cache | KL SmolLM2 / Gemma-3 | "
+        + " | ".join(f"{c:,} tok" for c in contexts)
+        + " | smaller than plain at the longest |",
+        "|---|---|" + "---|" * len(contexts) + "---|",
+    ]
     for label, held, kl in rows:
         q = " / ".join(f"{v:.2g}" for v in kl.values()) or "0"
         mib = " | ".join(f"{b / 2**20:.1f} MiB" for b in held)
@@ -97,12 +108,23 @@ def main():
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for label, held, kl in rows:
         q = ", ".join(f"{m} KL {v:.2g}" for m, v in kl.items())
-        ax.plot(contexts, [b / 2**20 for b in held], marker="o", label=f"{label} ({q})" if q else label,
-                linestyle="--" if label.startswith("plain") else ":" if label.startswith("mlx-lm") else "-")
+        ax.plot(
+            contexts,
+            [b / 2**20 for b in held],
+            marker="o",
+            label=f"{label} ({q})" if q else label,
+            linestyle="--"
+            if label.startswith("plain")
+            else ":"
+            if label.startswith("mlx-lm")
+            else "-",
+        )
     ax.set_xticks(contexts, [f"{c // 1024}K" if c >= 4096 else "" for c in contexts])
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel(f"KV MiB per layer ({HEADS} kv heads, D={D})")
-    right = ax.secondary_yaxis("right", functions=(lambda y: y * LAYERS / 1024, lambda y: y * 1024 / LAYERS))
+    right = ax.secondary_yaxis(
+        "right", functions=(lambda y: y * LAYERS / 1024, lambda y: y * 1024 / LAYERS)
+    )
     right.set_ylabel(f"GiB for {LAYERS} layers (Qwen3-4B)")
     ax.set_title("KV cache memory against context (measured), quality in the legend")
     ax.legend(fontsize=7.5)

@@ -45,7 +45,9 @@ def perplexity(model, tok, n=16, size=512):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="as kvarn_mlx.loader.load (default: the embedded default)")
+    p.add_argument(
+        "--model", default=None, help="as kvarn_mlx.loader.load (default: the embedded default)"
+    )
     p.add_argument("--windows", type=int, default=16)
     p.add_argument("--window", type=int, default=512)
     args = p.parse_args()

@@ -42,26 +42,43 @@ def main():
     args = p.parse_args()
 
     blas = os.environ.get("LD_PRELOAD", "")
-    print(f"machine: {platform.platform()} {platform.machine()}, {os.cpu_count()} cpus, "
-          f"python {platform.python_version()}")
-    print(f"mlx {mx.__version__}, device {mx.default_device()}, numpy {np.__version__}, "
-          f"OpenBLAS preloaded: {'yes' if 'openblas' in blas else 'no'}")
-    print(f"model: {LAYERS} layers x {KV_HEADS} kv heads, D={D}; one K and one V tile per kv head\n")
+    print(
+        f"machine: {platform.platform()} {platform.machine()}, {os.cpu_count()} cpus, python "
+        f"{platform.python_version()}"
+    )
+    print(
+        f"mlx {mx.__version__}, device {mx.default_device()}, numpy {np.__version__}, OpenBLAS "
+        f"preloaded: {'yes' if 'openblas' in blas else 'no'}"
+    )
+    print(
+        f"model: {LAYERS} layers x {KV_HEADS} kv heads, D={D}; one K and one V tile per kv head\n"
+    )
 
     rng = np.random.default_rng(0)
-    print(f"{'preset':10} {'G':>4} {'ops path':>10} {'reference':>10} {'ratio':>7}  per tile (ops / ref)")
+    print(
+        f"{'preset':10} {'G':>4} {'ops path':>10} {'reference':>10} {'ratio':>7}  per tile (ops / "
+        "ref)"
+    )
     for name in ("k4v2_g128", "k2v2_g128"):
         cfg = get_preset(name)
         G = cfg.group_size
         # Per layer: [1 batch, 8 heads, 1 tile, G, D], in the model dtype.
-        ks = [mx.array(rng.standard_normal((1, KV_HEADS, 1, G, D)).astype(np.float16)) for _ in range(LAYERS)]
-        vs = [mx.array(rng.standard_normal((1, KV_HEADS, 1, G, D)).astype(np.float16)) for _ in range(LAYERS)]
+        ks = [
+            mx.array(rng.standard_normal((1, KV_HEADS, 1, G, D)).astype(np.float16))
+            for _ in range(LAYERS)
+        ]
+        vs = [
+            mx.array(rng.standard_normal((1, KV_HEADS, 1, G, D)).astype(np.float16))
+            for _ in range(LAYERS)
+        ]
         mx.eval(ks, vs)
 
         def ops():
             for k, v in zip(ks, vs):
-                mx.eval(quant.quantize_keys(k, cfg.k_bits, cfg.iters, scale_dtype=cfg.scale_dtype),
-                        quant.quantize_values(v, cfg.v_bits, cfg.iters, scale_dtype=cfg.scale_dtype))
+                mx.eval(
+                    quant.quantize_keys(k, cfg.k_bits, cfg.iters, scale_dtype=cfg.scale_dtype),
+                    quant.quantize_values(v, cfg.v_bits, cfg.iters, scale_dtype=cfg.scale_dtype),
+                )
 
         k_np = [np.array(k.astype(mx.float32))[0, :, 0] for k in ks]
         v_np = [np.array(v.astype(mx.float32))[0, :, 0] for v in vs]
@@ -77,8 +94,10 @@ def main():
         t_ops = median_time(ops, args.repeats)
         t_ref = median_time(reference, args.ref_repeats)
         n = LAYERS * KV_HEADS
-        print(f"{name:10} {G:4d} {t_ops * 1e3:8.1f}ms {t_ref * 1e3:8.1f}ms {t_ref / t_ops:6.1f}x  "
-              f"{t_ops / n * 1e6:.0f}us / {t_ref / n * 1e6:.0f}us (K+V)")
+        print(
+            f"{name:10} {G:4d} {t_ops * 1e3:8.1f}ms {t_ref * 1e3:8.1f}ms {t_ref / t_ops:6.1f}x  "
+            f"{t_ops / n * 1e6:.0f}us / {t_ref / n * 1e6:.0f}us (K+V)"
+        )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,20 @@ def start(model, flags, log, launcher=()):
     """`python -m kvarn_mlx.server` (after `launcher`, e.g. mlx.launch's argv) in a
     process group of its own: stop() ends every process it started."""
     port = free_port()
-    cmd = [*launcher, sys.executable, "-m", "kvarn_mlx.server", "--model", str(model), "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    cmd = [
+        *launcher,
+        sys.executable,
+        "-m",
+        "kvarn_mlx.server",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        *flags,
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
@@ -80,8 +92,13 @@ def stop(proc):
 def stream(client, prompt, max_tokens):
     text, usage = [], None
     for chunk in client.chat.completions.create(
-            model="default_model", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-            temperature=0.0, stream=True, stream_options={"include_usage": True}):
+        model="default_model",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         if chunk.choices:
             text.append(chunk.choices[0].delta.content or "")
         if chunk.usage:
@@ -95,11 +112,15 @@ def run_one(name, model, flags, prompts, max_tokens, log_dir, one_at_a_time=Fals
     with open(log_dir / f"server_{name.replace(' ', '_')}.log", "w") as log:
         proc, url = start(model, flags, log)
         try:
-            client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=3600, max_retries=0)
+            client = openai.OpenAI(
+                base_url=url + "/v1", api_key="none", timeout=3600, max_retries=0
+            )
             stream(client, "Hello", 4)  # warm-up: model loaded, kernels built
             base = get(url + "/v1/kv_stats")
             t0 = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(1 if one_at_a_time else len(prompts)) as pool:
+            with concurrent.futures.ThreadPoolExecutor(
+                1 if one_at_a_time else len(prompts)
+            ) as pool:
                 results = list(pool.map(lambda p: stream(client, p, max_tokens), prompts))
             wall = time.perf_counter() - t0
             after = get(url + "/v1/kv_stats")
@@ -109,10 +130,17 @@ def run_one(name, model, flags, prompts, max_tokens, log_dir, one_at_a_time=Fals
     generated = sum(u.completion_tokens for _, u in results)
     peak = after["live_peak"]
     return {
-        "name": name, "flags": flags, "wall_s": wall, "prompt_tokens": prompt_tokens, "generated_tokens": generated,
-        "total_tok_s": (prompt_tokens + generated) / wall, "generated_tok_s": generated / wall,
-        "peak_live": peak, "prompt_cache": after["prompt_cache"],
-        "prompt_tokens_processed": after["prompt_tokens_processed"] - base["prompt_tokens_processed"],
+        "name": name,
+        "flags": flags,
+        "wall_s": wall,
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": generated,
+        "total_tok_s": (prompt_tokens + generated) / wall,
+        "generated_tok_s": generated / wall,
+        "peak_live": peak,
+        "prompt_cache": after["prompt_cache"],
+        "prompt_tokens_processed": after["prompt_tokens_processed"]
+        - base["prompt_tokens_processed"],
         "texts": [t for t, _ in results],
     }
 
@@ -121,22 +149,27 @@ def markdown(meta, args, rows):
     mib = lambda b: f"{b / 2**20:.1f}"
     plain = next(r for r in rows if r["name"] == "plain")
     out = [
-        "# Many conversations at once: mlx-lm's server on KVarN caches\n", meta_markdown(meta), "",
-        f"{args.requests} concurrent streaming chat requests (openai client), each a different excerpt of "
-        f"~{args.prompt_tokens} tokens, greedy, {args.max_tokens} tokens each. Every server is mlx-lm's own "
-        "server code started through `python -m kvarn_mlx.server` (for its stats endpoint). "
-        "'live' is the server's live_peak (GET /v1/kv_stats): the live requests' caches when they held the "
-        "most tokens (measured after a batch step at most once a second): bytes of the arrays held. 'plain' is what mlx-lm's KVCache holds for "
-        "those tokens in the model's dtype (float32 here), unpadded. 'prompt cache' is the LRU after the run "
-        "(the conversations kept for prefix reuse). 'same as plain' counts replies equal to the plain "
-        "cache's, and gives the mean length of their common beginning in characters; 'same as one at a time' "
-        "compares the KVarN server's batched replies with a fresh KVarN server answering the same requests "
-        "one after another (the 'one at a time' row). The servers run one "
-        "after another. **CPU caveat**: 2 shared cores with other jobs running (the load changes between "
-        "rows), MLX's CPU quantized matmul is slow and KVarN runs its MLX ops path here, so speeds say "
-        "little about Apple silicon.", "",
-        "| server | batched | wall s | total tok/s | generated tok/s | live seqs | live tokens | live KV MiB "
-        "| plain MiB for them | prompt cache MiB (seqs) | same as plain (common chars) | same as one at a time |",
+        "# Many conversations at once: mlx-lm's server on KVarN caches\n",
+        meta_markdown(meta),
+        "",
+        f"{args.requests} concurrent streaming chat requests (openai client), each a different "
+        f"excerpt of ~{args.prompt_tokens} tokens, greedy, {args.max_tokens} tokens each. Every "
+        "server is mlx-lm's own server code started through `python -m kvarn_mlx.server` (for "
+        "its stats endpoint). 'live' is the server's live_peak (GET /v1/kv_stats): the live "
+        "requests' caches when they held the most tokens (measured after a batch step at most "
+        "once a second): bytes of the arrays held. 'plain' is what mlx-lm's KVCache holds for "
+        "those tokens in the model's dtype (float32 here), unpadded. 'prompt cache' is the LRU "
+        "after the run (the conversations kept for prefix reuse). 'same as plain' counts replies "
+        "equal to the plain cache's, and gives the mean length of their common beginning in "
+        "characters; 'same as one at a time' compares the KVarN server's batched replies with a "
+        "fresh KVarN server answering the same requests one after another (the 'one at a time' "
+        "row). The servers run one after another. **CPU caveat**: 2 shared cores with other jobs "
+        "running (the load changes between rows), MLX's CPU quantized matmul is slow and KVarN "
+        "runs its MLX ops path here, so speeds say little about Apple silicon.",
+        "",
+        "| server | batched | wall s | total tok/s | generated tok/s | live seqs | live tokens | "
+        "live KV MiB | plain MiB for them | prompt cache MiB (seqs) | same as plain (common "
+        "chars) | same as one at a time |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     alone = next((r for r in rows if r["name"].endswith("one at a time")), None)
@@ -144,20 +177,27 @@ def markdown(meta, args, rows):
         p = r["peak_live"]
         vs_alone = "-"
         if alone is not None and r["name"] == "kvarn":
-            vs_alone = f"{sum(a == b for a, b in zip(r['texts'], alone['texts']))}/{len(r['texts'])}"
+            vs_alone = (
+                f"{sum(a == b for a, b in zip(r['texts'], alone['texts']))}/{len(r['texts'])}"
+            )
         same = sum(a == b for a, b in zip(r["texts"], plain["texts"]))
-        common = sum(len(os.path.commonprefix([a, b])) for a, b in zip(r["texts"], plain["texts"])) / len(r["texts"])
+        common = sum(
+            len(os.path.commonprefix([a, b])) for a, b in zip(r["texts"], plain["texts"])
+        ) / len(r["texts"])
         out.append(
-            f"| {r['name']} (`{' '.join(r['flags'])}`) | {'yes' if p['sequences'] > 1 else 'no'} "
-            f"| {r['wall_s']:.1f} | {r['total_tok_s']:.1f} | {r['generated_tok_s']:.2f} | {p['sequences']} "
-            f"| {p['tokens']} | {mib(p['held'])} | {mib(p['plain'])} "
-            f"| {mib(r['prompt_cache']['held'])} ({r['prompt_cache']['sequences']}) "
-            f"| {same}/{len(r['texts'])} ({common:.0f}) | {vs_alone} |")
+            f"| {r['name']} (`{' '.join(r['flags'])}`) | {'yes' if p['sequences'] > 1 else 'no'} | "
+            f"{r['wall_s']:.1f} | {r['total_tok_s']:.1f} | {r['generated_tok_s']:.2f} | "
+            f"{p['sequences']} | {p['tokens']} | {mib(p['held'])} | {mib(p['plain'])} | "
+            f"{mib(r['prompt_cache']['held'])} ({r['prompt_cache']['sequences']}) | "
+            f"{same}/{len(r['texts'])} ({common:.0f}) | {vs_alone} |"
+        )
     return "\n".join(out) + "\n"
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     ap.add_argument("--kv-preset", default=DEFAULT_PRESET)
     ap.add_argument("--requests", type=int, default=8)
@@ -173,24 +213,44 @@ def main():
     model = Path(args.model) if args.model else default_model_path()
     tok = load_tokenizer(model)
     ids = tok.encode(load_text("topics"))
-    prompts = [tok.decode(ids[i * 2 * args.prompt_tokens:][: args.prompt_tokens]) for i in range(args.requests)]
+    prompts = [
+        tok.decode(ids[i * 2 * args.prompt_tokens :][: args.prompt_tokens])
+        for i in range(args.requests)
+    ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     common = ["--max-tokens", str(args.max_tokens), "--prompt-cache-size", str(2 * args.requests)]
-    servers = [("kvarn", ["--kv-preset", args.kv_preset]), ("kvarn one at a time", ["--kv-preset", args.kv_preset]),
-               ("plain", ["--kv-preset", "fp16"]),
-               ("kv-bits 4", ["--kv-preset", "fp16", "--kv-bits", "4", "--quantized-kv-start", "0"])]
+    servers = [
+        ("kvarn", ["--kv-preset", args.kv_preset]),
+        ("kvarn one at a time", ["--kv-preset", args.kv_preset]),
+        ("plain", ["--kv-preset", "fp16"]),
+        ("kv-bits 4", ["--kv-preset", "fp16", "--kv-bits", "4", "--quantized-kv-start", "0"]),
+    ]
     logs = Path(tempfile.mkdtemp(prefix="kvarn_server_bench."))
     print(f"server logs in {logs}")
     rows = []
     for name, flags in servers:
         print(f"{name}: {' '.join(flags)}", flush=True)
-        rows.append(run_one(name, model, flags + common, prompts, args.max_tokens, logs, name.endswith("at a time")))
+        rows.append(
+            run_one(
+                name,
+                model,
+                flags + common,
+                prompts,
+                args.max_tokens,
+                logs,
+                name.endswith("at a time"),
+            )
+        )
         r = rows[-1]
-        print(f"  {r['wall_s']:.1f}s, {r['total_tok_s']:.1f} tok/s, live {r['peak_live']}", flush=True)
+        print(
+            f"  {r['wall_s']:.1f}s, {r['total_tok_s']:.1f} tok/s, live {r['peak_live']}", flush=True
+        )
     meta = metadata(model.name, "python benchmarks/server.py " + " ".join(sys.argv[1:]))
     (out / "server.md").write_text(markdown(meta, args, rows))
-    (out / "server.json").write_text(json.dumps({"meta": meta, "args": vars(args), "result": rows}, indent=1))
+    (out / "server.json").write_text(
+        json.dumps({"meta": meta, "args": vars(args), "result": rows}, indent=1)
+    )
     print((out / "server.md").read_text())
 
 

@@ -74,9 +74,16 @@ def run_one(model, ids, method, chunk, steps):
     mx.reset_peak_memory()
     prefill_done = []
     c0, t0 = time.process_time(), time.perf_counter()
-    gen = generate_step(mx.array(ids), model, prompt_cache=cache, max_tokens=steps + 1,
-                        prefill_step_size=chunk, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
-                        prompt_progress_callback=lambda done, total: prefill_done.append(time.perf_counter()), **kw)
+    gen = generate_step(
+        mx.array(ids),
+        model,
+        prompt_cache=cache,
+        max_tokens=steps + 1,
+        prefill_step_size=chunk,
+        sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
+        prompt_progress_callback=lambda done, total: prefill_done.append(time.perf_counter()),
+        **kw,
+    )
     out, cpu_ttft = [], None
     for token, _ in gen:
         out.append((time.perf_counter(), int(token)))
@@ -120,8 +127,21 @@ def rss_peak():
 
 def run_separate(a, method, context):
     """run_one in a fresh process (this script with --worker) for a process peak of its own."""
-    argv = [sys.executable, __file__, "--worker", "--methods", method, "--contexts", str(context),
-            "--chunk", str(a.chunk), "--steps", str(a.steps), "--text", a.text]
+    argv = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--methods",
+        method,
+        "--contexts",
+        str(context),
+        "--chunk",
+        str(a.chunk),
+        "--steps",
+        str(a.steps),
+        "--text",
+        a.text,
+    ]
     if a.model:
         argv += ["--model", a.model]
     res = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True)
@@ -144,9 +164,16 @@ def summarize(method, context, runs):
     """Medians over repeats (steps elementwise)."""
     steps = np.median(np.array([r["decode_step_s"] for r in runs]), axis=0)
     later = steps[3:] if len(steps) > 3 else steps
-    peaks = {k: max(r[k] for r in runs) for k in ("process_peak", "process_peak_before_run") if k in runs[0]}
-    return {**peaks,
-        "context": context, "method": method, "repeats": len(runs),
+    peaks = {
+        k: max(r[k] for r in runs)
+        for k in ("process_peak", "process_peak_before_run")
+        if k in runs[0]
+    }
+    return {
+        **peaks,
+        "context": context,
+        "method": method,
+        "repeats": len(runs),
         "ttft_s": float(np.median([r["ttft_s"] for r in runs])),
         "ttft_all_s": [r["ttft_s"] for r in runs],
         "ttft_cpu_s": float(np.median([r["ttft_cpu_s"] for r in runs])),
@@ -163,7 +190,9 @@ def summarize(method, context, runs):
 
 def add_ratios(rows):
     for r in rows:
-        base = next((b for b in rows if b["context"] == r["context"] and b["method"] == PLAIN), None)
+        base = next(
+            (b for b in rows if b["context"] == r["context"] and b["method"] == PLAIN), None
+        )
         if base is None:
             continue
         r["ttft_vs_plain"] = r["ttft_s"] / base["ttft_s"]
@@ -177,46 +206,72 @@ def add_ratios(rows):
 
 def render(data):
     meta = data["meta"]
-    md = ["# Time to first token and decode speed against context\n", meta_markdown(meta),
-          f"Load average (1/5/15 min) at the start: {data['load_start']}, at the end: {data['load_end']}.\n",
-          f"\nmlx-lm's generate_step for every method: prefill in {data['chunk']}-token steps, then greedy decoding, after one short warm-up generation per method (weights load lazily). "
-          "TTFT = time to first token (the whole prefill); TTFT CPU = the process's CPU time until then (all its threads: "
-          "less sensitive than wall time to other processes sharing the machine); step 1-3 = seconds between tokens 1-2, 2-3, 3-4 (a one-time "
-          f"cost left by the prefill shows there); decode tok/s from the median of steps 4-{data['steps']}. "
-          "Ratios are against the plain cache at the same context, same run (TTFT and step 1: time ratios, > 1 is slower; "
-          "decode: speed ratio, > 1 is faster). Peak = mx.get_peak_memory over the generation (whole process, model "
-          "weights included). Cache = bytes of the arrays the cache holds after the run. plain = mlx-lm KVCache in the "
-          "model's dtype; mlxqB = mlx-lm QuantizedKVCache (B bits, group 64, quantized from the first prefill step on, "
-          f"as `--kv-bits B --quantized-kv-start 0`). Medians over {data['repeats']} repeat(s).\n"]
+    md = [
+        "# Time to first token and decode speed against context\n",
+        meta_markdown(meta),
+        f"Load average (1/5/15 min) at the start: {data['load_start']}, at the end: "
+        f"{data['load_end']}.\n",
+        f"\nmlx-lm's generate_step for every method: prefill in {data['chunk']}-token steps, then "
+        "greedy decoding, after one short warm-up generation per method (weights load lazily). "
+        "TTFT = time to first token (the whole prefill); TTFT CPU = the process's CPU time until "
+        "then (all its threads: less sensitive than wall time to other processes sharing the "
+        "machine); step 1-3 = seconds between tokens 1-2, 2-3, 3-4 (a one-time cost left by the "
+        f"prefill shows there); decode tok/s from the median of steps 4-{data['steps']}. Ratios "
+        "are against the plain cache at the same context, same run (TTFT and step 1: time "
+        "ratios, > 1 is slower; decode: speed ratio, > 1 is faster). Peak = mx.get_peak_memory "
+        "over the generation (whole process, model weights included). Cache = bytes of the "
+        "arrays the cache holds after the run. plain = mlx-lm KVCache in the model's dtype; "
+        "mlxqB = mlx-lm QuantizedKVCache (B bits, group 64, quantized from the first prefill "
+        f"step on, as `--kv-bits B --quantized-kv-start 0`). Medians over {data['repeats']} "
+        "repeat(s).\n",
+    ]
     if meta["machine"]["device"].startswith("Device(cpu"):
-        md.append("**CPU**: float32 matmul runs on OpenBLAS here while MLX's CPU quantized matmul is slow; "
-                  "these ratios do not predict Apple-silicon speed.\n")
+        md.append(
+            "**CPU**: float32 matmul runs on OpenBLAS here while MLX's CPU quantized matmul is "
+            "slow; these ratios do not predict Apple-silicon speed.\n"
+        )
     if data.get("separate"):
-        md.append("Each method ran in a process of its own (--separate): process peak = that process's ru_maxrss "
-                  "(resident memory: Python, MLX, model weights, prefill buffers and cache, all of it), loaded = "
-                  "ru_maxrss after loading the model and tokenizing, before the generation. Steady = after the last "
-                  "decode step with the cache alive: MLX's active memory (weights + cache) and the process's resident "
-                  "memory (RSS; MLX keeps freed buffers for reuse, so it stays near the peak).\n")
-        md += ["| context | method | process peak MiB | vs plain | loaded MiB | peak - loaded MiB | MLX peak MiB | "
-               "MLX peak vs plain | steady MLX MiB | steady RSS MiB | cache MiB |",
-               "|---|---|---|---|---|---|---|---|---|---|---|"]
+        md.append(
+            "Each method ran in a process of its own (--separate): process peak = that process's "
+            "ru_maxrss (resident memory: Python, MLX, model weights, prefill buffers and cache, "
+            "all of it), loaded = ru_maxrss after loading the model and tokenizing, before the "
+            "generation. Steady = after the last decode step with the cache alive: MLX's active "
+            "memory (weights + cache) and the process's resident memory (RSS; MLX keeps freed "
+            "buffers for reuse, so it stays near the peak).\n"
+        )
+        md += [
+            "| context | method | process peak MiB | vs plain | loaded MiB | peak - loaded MiB | "
+            "MLX peak MiB | MLX peak vs plain | steady MLX MiB | steady RSS MiB | cache MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in data["rows"]:
-            md.append(f"| {r['context']} | {r['method']} | {r['process_peak'] / 2**20:.0f} | "
-                      f"{r.get('process_peak_vs_plain', float('nan')):.2f}x | {r['process_peak_before_run'] / 2**20:.0f} | "
-                      f"{(r['process_peak'] - r['process_peak_before_run']) / 2**20:.0f} | "
-                      f"{r['peak_memory'] / 2**20:.0f} | {r.get('peak_vs_plain', float('nan')):.2f}x | "
-                      f"{mib(r.get('steady_memory'))} | {mib(r.get('process_rss_after'))} | {r['cache_bytes'] / 2**20:.1f} |")
+            md.append(
+                f"| {r['context']} | {r['method']} | {r['process_peak'] / 2**20:.0f} | "
+                f"{r.get('process_peak_vs_plain', float('nan')):.2f}x | "
+                f"{r['process_peak_before_run'] / 2**20:.0f} | "
+                f"{(r['process_peak'] - r['process_peak_before_run']) / 2**20:.0f} | "
+                f"{r['peak_memory'] / 2**20:.0f} | {r.get('peak_vs_plain', float('nan')):.2f}x | "
+                f"{mib(r.get('steady_memory'))} | {mib(r.get('process_rss_after'))} | "
+                f"{r['cache_bytes'] / 2**20:.1f} |"
+            )
         md.append("")
-    md += ["| context | method | TTFT s | TTFT vs plain | TTFT CPU s | CPU vs plain | step 1 ms | step 2 ms | step 3 ms | "
-           "step 1 vs plain | decode tok/s | decode vs plain | peak MiB | cache MiB |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    md += [
+        "| context | method | TTFT s | TTFT vs plain | TTFT CPU s | CPU vs plain | step 1 ms | "
+        "step 2 ms | step 3 ms | step 1 vs plain | decode tok/s | decode vs plain | peak MiB | "
+        "cache MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in data["rows"]:
         s = r["first_steps_s"] + [float("nan")] * (3 - len(r["first_steps_s"]))
-        md.append(f"| {r['context']} | {r['method']} | {r['ttft_s']:.2f} | {r.get('ttft_vs_plain', float('nan')):.2f}x | "
-                  f"{r['ttft_cpu_s']:.2f} | {r.get('ttft_cpu_vs_plain', float('nan')):.2f}x | {1e3 * s[0]:.0f} | {1e3 * s[1]:.0f} | {1e3 * s[2]:.0f} | "
-                  f"{r.get('first_step_vs_plain', float('nan')):.2f}x | {r['decode_tokens_per_s']:.2f} | "
-                  f"{r.get('decode_speed_vs_plain', float('nan')):.2f}x | {r['peak_memory'] / 2**20:.0f} | "
-                  f"{r['cache_bytes'] / 2**20:.1f} |")
+        md.append(
+            f"| {r['context']} | {r['method']} | {r['ttft_s']:.2f} | "
+            f"{r.get('ttft_vs_plain', float('nan')):.2f}x | {r['ttft_cpu_s']:.2f} | "
+            f"{r.get('ttft_cpu_vs_plain', float('nan')):.2f}x | {1e3 * s[0]:.0f} | "
+            f"{1e3 * s[1]:.0f} | {1e3 * s[2]:.0f} | "
+            f"{r.get('first_step_vs_plain', float('nan')):.2f}x | {r['decode_tokens_per_s']:.2f} | "
+            f"{r.get('decode_speed_vs_plain', float('nan')):.2f}x | {r['peak_memory'] / 2**20:.0f} "
+            f"| {r['cache_bytes'] / 2**20:.1f} |"
+        )
     return "\n".join(md) + "\n"
 
 
@@ -236,9 +291,19 @@ def draw(rows, methods, path):
         axes[0].plot(ctx, [r["ttft_s"] for r in rr], style, label=m)
         axes[1].plot(ctx, [1e3 * r["first_steps_s"][0] for r in rr], style, label=m)
         axes[2].plot(ctx, [r["decode_tokens_per_s"] for r in rr], style, label=m)
-    axes[0].set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="seconds", title="time to first token")
-    axes[1].set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="ms", title="first decode step")
-    axes[2].set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="tokens/s", title="decode speed")
+    axes[0].set(
+        xscale="log",
+        yscale="log",
+        xlabel="prompt tokens",
+        ylabel="seconds",
+        title="time to first token",
+    )
+    axes[1].set(
+        xscale="log", yscale="log", xlabel="prompt tokens", ylabel="ms", title="first decode step"
+    )
+    axes[2].set(
+        xscale="log", yscale="log", xlabel="prompt tokens", ylabel="tokens/s", title="decode speed"
+    )
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -258,8 +323,16 @@ def write(a, meta, load_start, contexts, methods, runs):
     """The results so far as <out>/ttft[_tag].md, .json and .png; returns the markdown."""
     rows = [summarize(m, ctx, runs[(ctx, m)]) for ctx in contexts for m in methods]
     add_ratios(rows)
-    data = {"meta": meta, "load_start": load_start, "load_end": load_average(),
-            "chunk": a.chunk, "steps": a.steps, "repeats": a.repeats, "separate": a.separate, "rows": rows}
+    data = {
+        "meta": meta,
+        "load_start": load_start,
+        "load_end": load_average(),
+        "chunk": a.chunk,
+        "steps": a.steps,
+        "repeats": a.repeats,
+        "separate": a.separate,
+        "rows": rows,
+    }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "ttft" + (f"_{a.tag}" if a.tag else "")
@@ -274,10 +347,17 @@ def write(a, meta, load_start, contexts, methods, runs):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="a model kvarn_mlx.loader.load accepts (default: the embedded one)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a model kvarn_mlx.loader.load accepts (default: the embedded one)",
+    )
     p.add_argument("--contexts", default="2048,4096,8192", help="prompt lengths in tokens")
-    p.add_argument("--methods", default=None,
-                   help=f"comma-separated, or 'all' for every preset (default: {','.join(methods_default())})")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma-separated, or 'all' for every preset (default: {','.join(methods_default())})",
+    )
     p.add_argument("--chunk", type=int, default=2048, help="prefill step size in tokens")
     p.add_argument("--steps", type=int, default=8, help="decode steps timed after the first token")
     p.add_argument("--repeats", type=int, default=1)
@@ -285,14 +365,23 @@ def main(argv=None):
     p.add_argument("--text", default="topics")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="suffix for the output files (ttft_<tag>.md)")
-    p.add_argument("--separate", action="store_true",
-                   help="each method and context in a process of its own, with its process peak memory")
+    p.add_argument(
+        "--separate",
+        action="store_true",
+        help="each method and context in a process of its own, with its process peak memory",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.quick:
         for k, v in QUICK.items():
             setattr(a, k, v)
-    methods = methods_all() if a.methods == "all" else a.methods.split(",") if a.methods else methods_default()
+    methods = (
+        methods_all()
+        if a.methods == "all"
+        else a.methods.split(",")
+        if a.methods
+        else methods_default()
+    )
     if PLAIN not in methods:
         methods.insert(0, PLAIN)
     for m in methods:
@@ -322,10 +411,18 @@ def main(argv=None):
         for rep in range(a.repeats):
             order = methods if rep % 2 == 0 else methods[::-1]
             for m in order:
-                r = run_separate(a, m, ctx) if a.separate else run_one(model, ids_all[:ctx], m, a.chunk, a.steps)
+                r = (
+                    run_separate(a, m, ctx)
+                    if a.separate
+                    else run_one(model, ids_all[:ctx], m, a.chunk, a.steps)
+                )
                 runs.setdefault((ctx, m), []).append(r)
-                print(f"{ctx:>6} {m:<12} TTFT {r['ttft_s']:8.2f}s  steps 1-3 ms "
-                      f"{[round(1e3 * s) for s in r['decode_step_s'][:3]]}", file=sys.stderr, flush=True)
+                print(
+                    f"{ctx:>6} {m:<12} TTFT {r['ttft_s']:8.2f}s  steps 1-3 ms "
+                    f"{[round(1e3 * s) for s in r['decode_step_s'][:3]]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         # Written after every context: a long run stopped early keeps what it measured.
         text = write(a, meta, load_start, contexts[: i + 1], methods, runs)
     print(text)
