@@ -44,8 +44,16 @@ class StubGenerator:
     reaches it is recorded and answered with an error (mlx-lm's 404)."""
 
     def __init__(self):
-        self.cli_args = argparse.Namespace(model="stub-model", allowed_origins=[], num_draft_tokens=3,
-                                           max_tokens=4, temp=0.0, top_p=1.0, top_k=0, min_p=0.0)
+        self.cli_args = argparse.Namespace(
+            model="stub-model",
+            allowed_origins=[],
+            num_draft_tokens=3,
+            max_tokens=4,
+            temp=0.0,
+            top_p=1.0,
+            top_k=0,
+            min_p=0.0,
+        )
         self.requests = []
         self.is_healthy = True
 
@@ -58,10 +66,18 @@ class StubGenerator:
 def serve(save_dir, allowed_hosts=(), allowed_origins=(), api_key=None):
     """ChatHandler on 127.0.0.1:<free port> with a StubGenerator; yields (base URL, the stub)."""
     stub = StubGenerator()
-    settings = argparse.Namespace(allowed_hosts=list(allowed_hosts), allowed_origins=list(allowed_origins),
-                                  api_key=api_key, kv_preset="k4v2_g128", kv_sink=None, save_dir=Path(save_dir))
+    settings = argparse.Namespace(
+        allowed_hosts=list(allowed_hosts),
+        allowed_origins=list(allowed_origins),
+        api_key=api_key,
+        kv_preset="k4v2_g128",
+        kv_sink=None,
+        save_dir=Path(save_dir),
+    )
     stats = KVStats()
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), lambda *a, **k: ChatHandler(stub, stats, settings, *a, **k))
+    httpd = ThreadingHTTPServer(
+        ("127.0.0.1", 0), lambda *a, **k: ChatHandler(stub, stats, settings, *a, **k)
+    )
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, name="chat-http", daemon=True)
     thread.start()
@@ -81,15 +97,30 @@ def free_port():
 
 @contextlib.contextmanager
 def chat_app(save_dir, *flags):
-    """python -m apps.chat on a free port (the embedded model unless flags name one); yields its URL."""
+    """python -m apps.chat on a free port (the embedded model unless flags name one); yields
+    its URL."""
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if os.path.exists(BLAS) and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = BLAS
     env.pop("KVARN_API_KEY", None)
     log = open(Path(save_dir).parent / f"chat-{port}.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "apps.chat", "--port", str(port), "--save-dir", str(save_dir),
-                             *flags], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "apps.chat",
+            "--port",
+            str(port),
+            "--save-dir",
+            str(save_dir),
+            *flags,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + TIMEOUT

@@ -14,9 +14,13 @@ SKIPPED = {"kernel": set(), "other": set()}
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--fail-on-skip", action="store_true",
-        help="fail the run if any test skips, except kernel tests on a machine with neither a Metal "
-             "device nor the MSL emulator (.ci/run sets this on Linux)")
+        "--fail-on-skip",
+        action="store_true",
+        help=(
+            "fail the run if any test skips, except kernel tests on a machine with neither a Metal "
+            "device nor the MSL emulator (.ci/run sets this on Linux)"
+        ),
+    )
 
 
 def pytest_configure(config):
@@ -40,12 +44,15 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     kernel, other = SKIPPED["kernel"], SKIPPED["other"]
     if kernel:
-        terminalreporter.write_line(f"{len(kernel)} kernel tests did not run: {metal_emulator.SKIP_REASON}",
-                                    yellow=True)
+        terminalreporter.write_line(
+            f"{len(kernel)} kernel tests did not run: {metal_emulator.SKIP_REASON}", yellow=True
+        )
     if other and config.getoption("fail_on_skip"):
         # Everything .ci/run installs is what the tests need: such a skip is a missing
         # install step, not a passing test.
-        terminalreporter.write_line(f"--fail-on-skip: {len(other)} skipped (reasons below): failing", red=True)
+        terminalreporter.write_line(
+            f"--fail-on-skip: {len(other)} skipped (reasons below): failing", red=True
+        )
 
 
 @pytest.fixture(scope="session")

@@ -27,5 +27,7 @@ def grid(*axes, covering, ids=None):
     if missing:
         raise ValueError(f"covering cases outside the grid: {missing}")
     keep = set(covering)
-    return [pytest.param(*c, marks=() if c in keep else pytest.mark.slow, id=ids(c) if ids else None)
-            for c in cases]
+    return [
+        pytest.param(*c, marks=() if c in keep else pytest.mark.slow, id=ids(c) if ids else None)
+        for c in cases
+    ]

@@ -29,8 +29,11 @@ def find():
     if given:
         path = Path(given).expanduser().resolve()
         if not (path / "mslemu" / "__init__.py").is_file():
-            raise ValueError(f"{ENV}={given}: no MSL emulator there (expected {path / 'mslemu' / '__init__.py'}); "
-                             f"point {ENV} at the folder that holds the mslemu package, or unset it")
+            raise ValueError(
+                f"{ENV}={given}: no MSL emulator there (expected "
+                f"{path / 'mslemu' / '__init__.py'}); point {ENV} at the folder that holds the "
+                "mslemu package, or unset it"
+            )
         return path
     return BESIDE if (BESIDE / "mslemu" / "__init__.py").is_file() else None
 
@@ -45,4 +48,3 @@ def load():
     import mslemu
 
     return mslemu
-

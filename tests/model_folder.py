@@ -9,10 +9,22 @@ from mlx_lm.models import llama
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
-CONFIG = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-              num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-5,
-              vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
-              rope_theta=10000.0, bos_token_id=1, eos_token_id=2)
+CONFIG = dict(
+    model_type="llama",
+    hidden_size=128,
+    num_hidden_layers=2,
+    intermediate_size=256,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    rope_theta=10000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def tiny_model_folder(path, seed=0, dtype=mx.float32, **config):

@@ -15,22 +15,60 @@ VOCAB = 256
 
 CONFIGS = {
     # llama-style, head_dim 64, GQA 3 (6 query heads over 2 kv heads)
-    "llama64": dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-                    num_attention_heads=6, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
-                    vocab_size=VOCAB, tie_word_embeddings=True),
+    "llama64": dict(
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+    ),
     # llama-style, head_dim 128, MQA (4 query heads over 1 kv head)
-    "llama128": dict(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=256,
-                     num_attention_heads=4, num_key_value_heads=1, head_dim=128, rms_norm_eps=1e-5,
-                     vocab_size=VOCAB, tie_word_embeddings=True),
-    # Gemma-3 text: head_dim 256; layers 0 and 2 sliding-window (RotatingKVCache), 1 and 3 global (KVCache)
-    "gemma3": dict(model_type="gemma3_text", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
-                   num_attention_heads=2, num_key_value_heads=1, head_dim=256, rms_norm_eps=1e-6,
-                   vocab_size=VOCAB, sliding_window=32, sliding_window_pattern=2,
-                   query_pre_attn_scalar=256, max_position_embeddings=4096),
+    "llama128": dict(
+        model_type="llama",
+        hidden_size=256,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+    ),
+    # Gemma-3 text: head_dim 256; layers 0 and 2 sliding-window (RotatingKVCache), 1 and 3
+    # global (KVCache)
+    "gemma3": dict(
+        model_type="gemma3_text",
+        hidden_size=128,
+        num_hidden_layers=4,
+        intermediate_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=256,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        sliding_window=32,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=256,
+        max_position_embeddings=4096,
+    ),
     # Qwen2: q/k/v projections with biases, head_dim 64 (128 / 2 heads), 1 kv head
-    "qwen2": dict(model_type="qwen2", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-                  num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6, vocab_size=VOCAB,
-                  tie_word_embeddings=True),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+    ),
 }
 
 

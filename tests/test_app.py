@@ -20,13 +20,24 @@ ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "tests" / "artifacts"
 BLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-MAX_TOKENS = int(os.environ.get("KVARN_APP_TEST_MAX_TOKENS", "12"))  # the server's default reply length
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+MAX_TOKENS = int(
+    os.environ.get("KVARN_APP_TEST_MAX_TOKENS", "12")
+)  # the server's default reply length
 
 
 def long_text(words):
-    """Real prose (Python's own reference text): several hundred tokens so whole tiles get quantized."""
+    """Real prose (Python's own reference text): several hundred tokens so whole tiles get
+    quantized."""
     import pydoc_data.topics
 
     return " ".join(" ".join(pydoc_data.topics.topics.values()).split()[:words])
@@ -53,7 +64,10 @@ def test_engine_prefills_only_the_new_turn(engine):
     first = [{"role": "user", "content": "Name a color."}]
     s1, d1 = run(engine, first)
     assert s1["reused"] == 0 and s1["prefill"] == s1["prompt_tokens"]
-    second = first + [{"role": "assistant", "content": d1["text"]}, {"role": "user", "content": "Another one?"}]
+    second = first + [
+        {"role": "assistant", "content": d1["text"]},
+        {"role": "user", "content": "Another one?"},
+    ]
     s2, d2 = run(engine, second)
     # Everything up to the end of the first reply comes from the cache.
     assert s2["reused"] >= s1["prompt_tokens"] + d1["usage"]["completion_tokens"] - 1
@@ -87,28 +101,39 @@ def test_engine_trims_into_quantized_tiles(smollm):
 
 def test_engine_memory_figures(smollm):
     """The panel's figures: bytes held against mlx-lm's plain cache in the model's dtype
-    (float32 here) and the 2-byte equivalent; before the first tile, from which token KVarN saves."""
+    (float32 here) and the 2-byte equivalent; before the first tile, from which token KVarN
+    saves."""
     from kvarn_mlx import memory
     from kvarn_mlx.config import PRESETS
 
     short = [{"role": "user", "content": "Name a color."}]
-    kvarn, plain = Engine(preset="k4v2_g128", max_tokens=4, loaded=smollm), Engine(preset="fp16", max_tokens=4,
-                                                                                  loaded=smollm)
+    kvarn, plain = (
+        Engine(preset="k4v2_g128", max_tokens=4, loaded=smollm),
+        Engine(preset="fp16", max_tokens=4, loaded=smollm),
+    )
     _, dk = run(kvarn, short)
     _, dp = run(plain, short)
     s, p = dk["stats"], dp["stats"]
     assert s["context_tokens"] == p["context_tokens"] < 128
     assert s["dtype"] == p["dtype"] == "float32"
     # What mlx-lm's plain cache really holds for these tokens: its arrays up to the offset.
-    actual = sum(c.keys[..., :c.offset, :].nbytes + c.values[..., :c.offset, :].nbytes for c in plain.cache)
+    actual = sum(
+        c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes for c in plain.cache
+    )
     assert s["plain"] == p["plain"] == actual and s["fp16"] == actual // 2
     assert s["tiles_per_layer"] == 0
-    assert s["saving_from"] == memory.saving_starts_at(PRESETS["k4v2_g128"], 64, 4) > s["context_tokens"]
+    assert (
+        s["saving_from"]
+        == memory.saving_starts_at(PRESETS["k4v2_g128"], 64, 4)
+        > s["context_tokens"]
+    )
     assert p["saving_from"] is None and p["kvarn_layers"] == 0
     _, d = run(kvarn, [{"role": "user", "content": long_text(400) + "\nWhat is this?"}])
     s = d["stats"]
     assert s["tiles_per_layer"] >= 2 and s["ratio_plain"] > 1 and s["ratio_fp16"] > 0
-    assert s["ratio_plain"] == pytest.approx(s["plain"] / s["held"]) and s["ratio_fp16"] == pytest.approx(s["fp16"] / s["held"])
+    assert s["ratio_plain"] == pytest.approx(s["plain"] / s["held"]) and s[
+        "ratio_fp16"
+    ] == pytest.approx(s["fp16"] / s["held"])
 
 
 def test_engine_save_and_resume(engine, smollm, tmp_path):
@@ -158,13 +183,26 @@ def test_cli_commands(smollm, tmp_path):
 
     lines = iter(["Hi!", "", f"/save {tmp_path / 'c'}", "/new", "/quit"])
     out = io.StringIO()
-    assert run_cli(dict(preset="k4v2_g128", max_tokens=5, loaded=smollm), inp=lambda _: next(lines), out=out) == 0
+    assert (
+        run_cli(
+            dict(preset="k4v2_g128", max_tokens=5, loaded=smollm),
+            inp=lambda _: next(lines),
+            out=out,
+        )
+        == 0
+    )
     text = out.getvalue()
-    assert re.search(r"\[\d+ ctx tokens \| KV [\d.]+ MiB vs fp16 [\d.]+ MiB = [\d.]+x \| [\d.]+ tok/s", text), text
+    assert re.search(
+        r"\[\d+ ctx tokens \| KV [\d.]+ MiB vs fp16 [\d.]+ MiB = [\d.]+x \| [\d.]+ tok/s", text
+    ), text
     assert "saved to" in text and "(new chat)" in text
     out = io.StringIO()
-    run_cli(dict(preset="k4v2_g128", max_tokens=5, loaded=smollm), resume=str(tmp_path / "c.safetensors"),
-            inp=lambda _: "/quit", out=out)
+    run_cli(
+        dict(preset="k4v2_g128", max_tokens=5, loaded=smollm),
+        resume=str(tmp_path / "c.safetensors"),
+        inp=lambda _: "/quit",
+        out=out,
+    )
     assert "resumed 2 messages" in out.getvalue()
 
 
@@ -184,8 +222,12 @@ def post(url, body, timeout=120, headers=None):
     import httpx
 
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(url, content=data, headers={"Content-Type": "application/json", **(headers or {})},
-                      timeout=timeout)
+    return httpx.post(
+        url,
+        content=data,
+        headers={"Content-Type": "application/json", **(headers or {})},
+        timeout=timeout,
+    )
 
 
 def user(text):
@@ -195,14 +237,23 @@ def user(text):
 def test_openai_client(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server + "/v1", api_key="local", timeout=120, max_retries=0)
-    r = client.chat.completions.create(model="default_model", messages=user("What is the capital of France?"),
-                                       max_tokens=8, temperature=0)
+    r = client.chat.completions.create(
+        model="default_model",
+        messages=user("What is the capital of France?"),
+        max_tokens=8,
+        temperature=0,
+    )
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content.strip()
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.completion_tokens <= 8 and r.usage.prompt_tokens > 10
 
-    stream = client.chat.completions.create(model="default_model", messages=user("Count to five."),
-                                            max_tokens=8, stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="default_model",
+        messages=user("Count to five."),
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     pieces, finish, usage, ids = [], None, None, set()
     for chunk in stream:
         ids.add(chunk.id)
@@ -218,13 +269,17 @@ def test_openai_client(server):
 
     (rid,) = ids
     deadline = time.monotonic() + 60
-    while (s := httpx.get(f"{server}/v1/kv_stats?request={rid}", timeout=10).json())["request"] is None:
+    while (s := httpx.get(f"{server}/v1/kv_stats?request={rid}", timeout=10).json())[
+        "request"
+    ] is None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     fig = s["request"]
     assert s["kv_preset"] == "k4v2_g128" and fig["kvarn_layers"] == fig["layers"] == 30
     assert usage.prompt_tokens < fig["tokens"] <= usage.prompt_tokens + usage.completion_tokens
-    assert fig["tiles"] == 0 and fig["held"] == fig["plain"] == 2 * fig["fp16"]  # float32, no tile yet
+    assert (
+        fig["tiles"] == 0 and fig["held"] == fig["plain"] == 2 * fig["fp16"]
+    )  # float32, no tile yet
 
 
 def test_bad_input_leaves_server_up(server):
@@ -256,10 +311,13 @@ def test_bad_input_leaves_server_up(server):
 def test_page_end_to_end(server):
     if CHROMIUM is None:
         pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no `playwright install`)")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="pip install playwright (no `playwright install`)"
+    )
     ARTIFACTS.mkdir(exist_ok=True)
-    # OpenBLAS preloaded into node and chromium makes them crash (pthread_create: Invalid argument):
-    # start the driver and the browser without it (this process keeps the library it already loaded).
+    # OpenBLAS preloaded into node and chromium makes them crash (pthread_create: Invalid
+    # argument): start the driver and the browser without it (this process keeps the library it
+    # already loaded).
     preload = os.environ.pop("LD_PRELOAD", None)
     try:
         with sync_api.sync_playwright() as p:
@@ -275,8 +333,12 @@ def _drive_page(p, server):
     from kvarn_mlx import memory
     from kvarn_mlx.config import PRESETS
 
-    browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000,
-                                env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+    browser = p.chromium.launch(
+        executable_path=CHROMIUM,
+        args=CHROMIUM_ARGS,
+        timeout=60_000,
+        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
+    )
     try:
         page = browser.new_page(viewport={"width": 1280, "height": 860})
         page.set_default_timeout(150_000)
@@ -290,19 +352,26 @@ def _drive_page(p, server):
         page.wait_for_function("document.getElementById('ctx').textContent !== '0'")
         start = memory.saving_starts_at(PRESETS["k4v2_g128"], 64, 4)
         assert page.inner_text("#ratio") == "–"
-        assert f"No tile quantized yet: every token is held in float32, as in mlx-lm's plain cache. KVarN starts " \
-               f"saving memory from token {start}." == page.inner_text("#saving")
+        assert (
+            "No tile quantized yet: every token is held in float32, as in mlx-lm's plain cache. "
+            "KVarN starts "
+            f"saving memory from token {start}." == page.inner_text("#saving")
+        )
         assert re.fullmatch(r"\d+ new, \d+ reused", page.inner_text("#reuse"))
         # Saved and resumed: the same messages come back.
         page.once("dialog", lambda d: d.accept("hello-chat"))
         page.click("#save")
-        page.wait_for_function("document.getElementById('status').textContent.startsWith('saved to')")
+        page.wait_for_function(
+            "document.getElementById('status').textContent.startsWith('saved to')"
+        )
         first = page.inner_text("#messages")
         page.click("#new")
         page.wait_for_function("document.getElementById('ctx').textContent === '0'")
         assert not page.query_selector_all(".msg")
         page.select_option("#resume", "hello-chat")
-        page.wait_for_function("document.getElementById('status').textContent.startsWith('resumed hello-chat')")
+        page.wait_for_function(
+            "document.getElementById('status').textContent.startsWith('resumed hello-chat')"
+        )
         assert page.inner_text("#messages") == first
         page.click("#new")
 
@@ -312,8 +381,9 @@ def _drive_page(p, server):
             reply = f".msg.assistant[data-idx='{2 * n - 1}']"
             # Part of the reply is on screen while it is still streaming...
             page.wait_for_function(
-                "() => { const e = document.querySelector('.msg.assistant.streaming .body');"
-                " return e && e.textContent.trim().length > 0 }")
+                "() => { const e = document.querySelector('.msg.assistant.streaming .body'); "
+                "return e && e.textContent.trim().length > 0 }"
+            )
             page.wait_for_selector(reply + "[data-done='1']")
             el = page.query_selector(reply)
             assert int(el.get_attribute("data-chunks")) > 1  # ...and it came in several pieces
@@ -326,12 +396,18 @@ def _drive_page(p, server):
         ratio1 = say("Here is a text:\n\n" + long_text(700) + "\n\nWhat is this document about?", 1)
         ratio2 = say("Thanks. What is the *assert* statement for?", 2)
         assert ratio1 > 1 and ratio2 > 1, (ratio1, ratio2)
-        assert "per layer" in page.inner_text("#tiles") and not page.inner_text("#tiles").startswith("0 ")
+        assert "per layer" in page.inner_text("#tiles") and not page.inner_text(
+            "#tiles"
+        ).startswith("0 ")
         # The second turn reused the first from the server's prompt cache.
-        new, reused = map(int, re.fullmatch(r"(\d+) new, (\d+) reused", page.inner_text("#reuse")).groups())
+        new, reused = map(
+            int, re.fullmatch(r"(\d+) new, (\d+) reused", page.inner_text("#reuse")).groups()
+        )
         assert reused > 500 and new < 40, (new, reused)
         assert len(page.query_selector_all("#chart polyline")) == 3
-        assert "(float32)" in page.inner_text("#plain-label") and page.inner_text("#ratio16").endswith("×")
+        assert "(float32)" in page.inner_text("#plain-label") and page.inner_text(
+            "#ratio16"
+        ).endswith("×")
         assert "prompt cache: " in page.inner_text("#server")
         page.screenshot(path=str(ARTIFACTS / "chat.png"))
     finally:
@@ -348,6 +424,7 @@ def test_only_loopback_is_quiet():
     assert all(map(is_loopback, ("127.0.0.1", "::1", "localhost", "127.0.0.2")))
     assert not any(map(is_loopback, ("0.0.0.0", "::", "192.168.1.5", "example.com")))
     assert network_warning("127.0.0.1", None) is None
-    assert "reachable from the network" in network_warning("0.0.0.0", None) and "--api-key" in \
-        network_warning("0.0.0.0", None)
+    assert "reachable from the network" in network_warning(
+        "0.0.0.0", None
+    ) and "--api-key" in network_warning("0.0.0.0", None)
     assert "travels unencrypted" in network_warning("0.0.0.0", "k")

@@ -36,7 +36,7 @@ BYPASSES_PATCH = {"plamo2"}
 def layer_caches(caches):
     """(layer, cache) for every cache of the list, CacheList members included."""
     for i, c in enumerate(caches):
-        for member in (c.caches if isinstance(c, CacheList) else (c,)):
+        for member in c.caches if isinstance(c, CacheList) else (c,):
             yield i, member
 
 
@@ -59,7 +59,9 @@ def packed_calls(monkeypatch):
 
     def spy(queries, cache, scale, mask=None, sinks=None):
         keys, values = cache.dequantized()
-        want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        want = mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks
+        )
         got = real(queries, cache, scale, mask, sinks)
         calls.append((cache, (mx.abs(got - want).max() / mx.abs(want).max()).item()))
         return got
@@ -80,6 +82,7 @@ def log_lines(monkeypatch, caplog):
 
 # -- make_cache --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_make_cache_replaces_exactly_the_full_attention_layers(family):
     model = tiny_model(family)
@@ -87,15 +90,19 @@ def test_make_cache_replaces_exactly_the_full_attention_layers(family):
     kvarn = list(layer_caches(make(model)))
     assert [i for i, _ in kvarn] == [i for i, _ in plain]
     for (i, p), (_, k) in zip(plain, kvarn):
-        # Full attention (a plain KVCache) is quantized; sliding-window and recurrent state stay as they are.
+        # Full attention (a plain KVCache) is quantized; sliding-window and recurrent state
+        # stay as they are.
         assert type(k) is (KVarNCache if type(p) is KVCache else type(p)), (i, type(p), type(k))
     n = len(kvarn_layers([k for _, k in kvarn]))
-    print(f"{family}: {n} of {len(make_prompt_cache(model))} layers KVarN "
-          f"({', '.join(sorted({type(p).__name__ for _, p in plain}))} in the plain cache)")
+    print(
+        f"{family}: {n} of {len(make_prompt_cache(model))} layers KVarN "
+        f"({', '.join(sorted({type(p).__name__ for _, p in plain}))} in the plain cache)"
+    )
     assert n > 0
 
 
 # -- mlx_lm.generate ------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_generate_runs_packed_or_announces_the_fallback(family, packed_calls, log_lines):
@@ -148,8 +155,10 @@ def test_packed_attention_equals_mlx_lm_attention_over_the_dequantized_cache(fam
 MEMORY_FAMILIES = {"qwen2", "gpt_oss", "qwen3_next", "falcon_h1", "plamo2"}
 
 
-@pytest.mark.parametrize("family", [f if f in MEMORY_FAMILIES else pytest.param(f, marks=pytest.mark.slow)
-                                    for f in FAMILIES])
+@pytest.mark.parametrize(
+    "family",
+    [f if f in MEMORY_FAMILIES else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES],
+)
 def test_memory_drops(family):
     # After a 600-token prompt, a float16 model (what people run; float32 for MoE on the CPU):
     # the KVarN layers against the plain cache's same layers, from the arrays each holds.
@@ -159,22 +168,33 @@ def test_memory_drops(family):
     x = mx.array(tokens(N, seed=3))[None]
     kvarn, plain = make(model), make_prompt_cache(model)
     mx.eval(model(x, cache=kvarn), model(x, cache=plain))
-    pairs = [(k, p) for (_, k), (_, p) in zip(layer_caches(kvarn), layer_caches(plain)) if isinstance(k, KVarNCache)]
+    pairs = [
+        (k, p)
+        for (_, k), (_, p) in zip(layer_caches(kvarn), layer_caches(plain))
+        if isinstance(k, KVarNCache)
+    ]
     assert pairs and all(k.n_tiles == (N - SINK) // 128 for k, _ in pairs)
     held = sum(k.nbytes for k, _ in pairs)
     plain_held = sum(p.nbytes for _, p in pairs)  # KVCache holds room for 256-token steps
     plain_used = sum(p.keys[..., :N, :].nbytes + p.values[..., :N, :].nbytes for _, p in pairs)
-    print(f"{family} ({dtype}): {held} bytes held by KVarN k4v4 vs {plain_used} in the plain cache's {N} tokens "
-          f"({plain_used / held:.2f}x; {plain_held / held:.2f}x of what the plain cache holds)")
+    print(
+        f"{family} ({dtype}): {held} bytes held by KVarN k4v4 vs {plain_used} in the plain cache's "
+        f"{N} tokens ({plain_used / held:.2f}x; {plain_held / held:.2f}x of what the plain cache "
+        "holds)"
+    )
     # At 4 bits the tiles take about a quarter of their float16 bytes; sink and tail stay float16.
     assert plain_used / held > 1.8
 
 
 # -- greedy decoding -------------------------------------------------------------------------
 
+
 def greedy(model, cache, prompt):
     """STEPS (greedy token, log-probabilities) through mlx-lm's generate loop."""
-    return [(int(t), p) for t, p in generate_step(mx.array(prompt), model, max_tokens=STEPS, prompt_cache=cache)]
+    return [
+        (int(t), p)
+        for t, p in generate_step(mx.array(prompt), model, max_tokens=STEPS, prompt_cache=cache)
+    ]
 
 
 # Random weights leave near-tied logits. 8-bit tiles move the logits by up to ~1e-2 of their
@@ -193,21 +213,27 @@ def test_greedy_tokens_equal_the_plain_cache_at_8_bits(family):
     plain = greedy(model, make_prompt_cache(model), prompt)
     want = [t for t, _ in plain]
     layers = kvarn_layers(cache)
-    assert layers and all(c.n_tiles == 2 for c in layers)  # the second tile was quantized mid-decode
+    assert layers and all(
+        c.n_tiles == 2 for c in layers
+    )  # the second tile was quantized mid-decode
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if first is None:
         print(f"{family} k8v8: {STEPS} tokens equal to the plain cache's")
         return
-    # Equal up to a step where the plain cache's two best tokens are a near-tie, and there its runner-up.
+    # Equal up to a step where the plain cache's two best tokens are a near-tie, and there its
+    # runner-up.
     logprobs = plain[first][1]
     best, second = mx.argsort(-logprobs)[:2].tolist()
     gap = ((logprobs[best] - logprobs[second]) / (logprobs.max() - logprobs.min())).item()
-    print(f"{family} k8v8: equal to the plain cache's tokens up to step {first}, a near-tie there "
-          f"(top two {gap:.1e} of the logit range apart)")
+    print(
+        f"{family} k8v8: equal to the plain cache's tokens up to step {first}, a near-tie there "
+        f"(top two {gap:.1e} of the logit range apart)"
+    )
     assert got[first] == second and gap < NEAR_TIE, (first, got[first], best, second, gap)
 
 
 # -- shapes that must not raise -----------------------------------------------------------------
+
 
 def prefill_logits(model, cache, prompt):
     return model(mx.array(prompt)[None], cache=cache)[0, -1]
@@ -215,28 +241,55 @@ def prefill_logits(model, cache, prompt):
 
 def assert_prefill_matches_plain(model, cache, prompt):
     # A prefill attends to its own tokens in full precision: any difference is a wrong attention.
-    got, want = prefill_logits(model, cache, prompt), prefill_logits(model, make_prompt_cache(model), prompt)
+    got, want = (
+        prefill_logits(model, cache, prompt),
+        prefill_logits(model, make_prompt_cache(model), prompt),
+    )
     assert (mx.abs(got - want).max() / mx.abs(want).max()).item() < 1e-4
 
 
-@pytest.mark.parametrize("name, preset, quantized, lines", [
-    # Value codes pack along the head dim: D * v_bits must fill whole uint32 words, else the layer stays plain.
-    ("llama_d40", "k2v2_g128", False, 1),
-    ("llama_d72", "k4v2_g128", False, 1),
-    ("llama_d120", "k2v2_g128", False, 1),
-    ("llama_d40", "k2v4_g128", True, 0),  # key codes pack along the tile's tokens: 2-bit keys fit any head dim
-    ("llama_d72", "k4v4_g128", True, 1),  # no Hadamard transform of size 72: runs unrotated, says so once
-    ("llama_d120", "k4v4_g128", True, 1),
-    ("llama_d40", "k4v4_g128", True, 0),  # 40 = 20 * 2 rotates, and 4-bit codes pack 8 to a word
-])
-def test_head_dim_the_rotation_or_packing_cannot_take_falls_back_with_one_log_line(name, preset, quantized, lines,
-                                                                                   packed_calls, log_lines):
+@pytest.mark.parametrize(
+    "name, preset, quantized, lines",
+    [
+        # Value codes pack along the head dim: D * v_bits must fill whole uint32 words, else the
+        # layer stays plain.
+        ("llama_d40", "k2v2_g128", False, 1),
+        ("llama_d72", "k4v2_g128", False, 1),
+        ("llama_d120", "k2v2_g128", False, 1),
+        (
+            "llama_d40",
+            "k2v4_g128",
+            True,
+            0,
+        ),  # key codes pack along the tile's tokens: 2-bit keys fit any head dim
+        (
+            "llama_d72",
+            "k4v4_g128",
+            True,
+            1,
+        ),  # no Hadamard transform of size 72: runs unrotated, says so once
+        ("llama_d120", "k4v4_g128", True, 1),
+        (
+            "llama_d40",
+            "k4v4_g128",
+            True,
+            0,
+        ),  # 40 = 20 * 2 rotates, and 4-bit codes pack 8 to a word
+    ],
+)
+def test_head_dim_the_rotation_or_packing_cannot_take_falls_back_with_one_log_line(
+    name, preset, quantized, lines, packed_calls, log_lines
+):
     model = tiny_model(name)
     D = model.args.head_dim
-    assert_prefill_matches_plain(model, kvarn_mlx.make_cache(model, preset, sink=SINK), tokens(PROMPT, seed=1))
+    assert_prefill_matches_plain(
+        model, kvarn_mlx.make_cache(model, preset, sink=SINK), tokens(PROMPT, seed=1)
+    )
     for seed in (1, 2):
         cache = kvarn_mlx.make_cache(model, preset, sink=SINK)
-        assert generate(model, tokenizer(), tokens(PROMPT, seed=seed), max_tokens=4, prompt_cache=cache)
+        assert generate(
+            model, tokenizer(), tokens(PROMPT, seed=seed), max_tokens=4, prompt_cache=cache
+        )
         assert all(type(c) is (KVarNCache if quantized else KVCache) for c in cache)
     assert all(err < 1e-4 for _, err in packed_calls)
     assert bool(packed_calls) == quantized
@@ -246,7 +299,9 @@ def test_head_dim_the_rotation_or_packing_cannot_take_falls_back_with_one_log_li
 
 def test_a_kvarn_cache_made_by_hand_names_the_shape_it_cannot_hold():
     c = KVarNCache("k4v2_g128")
-    with pytest.raises(ValueError, match=r"value head dim 40 .* 2 bits.*make_cache leaves such layers plain"):
+    with pytest.raises(
+        ValueError, match=r"value head dim 40 .* 2 bits.*make_cache leaves such layers plain"
+    ):
         c.update_and_fetch(mx.zeros((1, 1, 4, 40)), mx.zeros((1, 1, 4, 40)))
     with pytest.raises(ValueError, match=r"different head dims \(96 and 64\)"):
         c.update_and_fetch(mx.zeros((1, 1, 4, 96)), mx.zeros((1, 1, 4, 64)))
@@ -270,12 +325,18 @@ def test_keys_and_values_of_different_head_dims(name, packed_calls, log_lines):
 def test_latent_attention_is_not_sent_to_packed_attention(packed_calls, log_lines):
     model = tiny_model("deepseek_v3")
     assert_prefill_matches_plain(model, make(model), tokens(PROMPT, seed=1))
-    assert generate(model, tokenizer(), tokens(PROMPT, seed=1), max_tokens=4, prompt_cache=make(model))
+    assert generate(
+        model, tokenizer(), tokens(PROMPT, seed=1), max_tokens=4, prompt_cache=make(model)
+    )
     assert not packed_calls
-    assert len(log_lines()) == 1, log_lines()  # the latent and the rope key have different head dims: plain
+    assert len(log_lines()) == 1, (
+        log_lines()
+    )  # the latent and the rope key have different head dims: plain
 
 
-def test_attention_on_arrays_the_cache_did_not_return_is_mlx_lm_attention_and_said_once(packed_calls, log_lines):
+def test_attention_on_arrays_the_cache_did_not_return_is_mlx_lm_attention_and_said_once(
+    packed_calls, log_lines
+):
     # What a latent-attention model does at every step when its two cached arrays share a head dim:
     # it attends on keys and values it derived from those update_and_fetch returned.
     c = KVarNCache(kvarn_mlx.get_preset("k4v4_g128", sink=4))
@@ -297,7 +358,9 @@ def test_attention_on_arrays_the_cache_did_not_return_is_mlx_lm_attention_and_sa
 
 
 def test_only_caches_from_make_cache_announce_attention_that_bypasses_them(log_lines):
-    c = KVarNCache("k4v4_g128")  # byte accounting and the planner feed caches that nothing attends on
+    c = KVarNCache(
+        "k4v4_g128"
+    )  # byte accounting and the planner feed caches that nothing attends on
     for _ in range(3):
         c.update_and_fetch(mx.zeros((1, 1, 8, 64)), mx.zeros((1, 1, 8, 64)))
     assert not log_lines()

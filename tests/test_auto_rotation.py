@@ -12,7 +12,11 @@ from kvarn_mlx import KVarNCache, get_preset, make_cache, patch, rotation, unpat
 from models import tiny_model, tokens
 
 BASE = get_preset("k2v2_g128", group_size=64, sink=64)
-VARIANTS = {"kvarn": BASE, "plain_keys": replace(BASE, rotate_keys=False), "auto": replace(BASE, rotate_keys="auto")}
+VARIANTS = {
+    "kvarn": BASE,
+    "plain_keys": replace(BASE, rotate_keys=False),
+    "auto": replace(BASE, rotate_keys="auto"),
+}
 
 
 def outlier_model(kind):
@@ -20,23 +24,47 @@ def outlier_model(kind):
     if kind == "qwen3_knorm":  # large per-channel gains from k_norm
         mod = importlib.import_module("mlx_lm.models.qwen3")
         mx.random.seed(0)
-        model = mod.Model(mod.ModelArgs.from_dict(dict(
-            model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, vocab_size=256,
-            tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=10000)))
+        model = mod.Model(
+            mod.ModelArgs.from_dict(
+                dict(
+                    model_type="qwen3",
+                    hidden_size=128,
+                    num_hidden_layers=2,
+                    intermediate_size=256,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    head_dim=64,
+                    rms_norm_eps=1e-6,
+                    vocab_size=256,
+                    tie_word_embeddings=True,
+                    max_position_embeddings=4096,
+                    rope_theta=10000,
+                )
+            )
+        )
         for layer in model.layers:
-            layer.self_attn.k_norm.weight = mx.ones((64,)).at[mx.array([3, 17, 40])].add(mx.array([30.0, 20.0, 25.0]))
+            layer.self_attn.k_norm.weight = (
+                mx.ones((64,)).at[mx.array([3, 17, 40])].add(mx.array([30.0, 20.0, 25.0]))
+            )
         return model
     model = tiny_model("qwen2")  # large per-channel offsets from the k_proj bias
     for layer in model.layers:
-        bias = mx.zeros(layer.self_attn.k_proj.bias.shape).at[mx.array([3, 17, 40])].add(mx.array([40.0, -30.0, 25.0]))
+        bias = (
+            mx.zeros(layer.self_attn.k_proj.bias.shape)
+            .at[mx.array([3, 17, 40])]
+            .add(mx.array([40.0, -30.0, 25.0]))
+        )
         layer.self_attn.k_proj.bias = bias
     return model
 
 
 def logits(model, toks, cache, chunk=64):
-    return mx.concatenate([model(mx.array(toks[i : i + chunk])[None], cache=cache)[0]
-                           for i in range(0, len(toks), chunk)])
+    return mx.concatenate(
+        [
+            model(mx.array(toks[i : i + chunk])[None], cache=cache)[0]
+            for i in range(0, len(toks), chunk)
+        ]
+    )
 
 
 def mean_kl(model, toks, config, skip=64):
@@ -81,10 +109,15 @@ def test_long_first_chunk_decides_from_its_first_tiles_and_rows():
     k = mx.random.normal((1, 2, 6, 128, 64), key=mx.random.key(0))
     q = mx.random.normal((1, 2, 3 * rotation.DECIDE_ROWS, 64), key=mx.random.key(1)) * 0.125
     head = rotation.candidates(k[:, :, : rotation.DECIDE_TILES], cfg, 0)
-    noisy = mx.concatenate([k[:, :, : rotation.DECIDE_TILES], 50 * k[:, :, rotation.DECIDE_TILES :]], axis=2)
+    noisy = mx.concatenate(
+        [k[:, :, : rotation.DECIDE_TILES], 50 * k[:, :, rotation.DECIDE_TILES :]], axis=2
+    )
     for keys in (k, noisy):
         cand = rotation.candidates(keys, cfg, 0)
-        assert rotation.decide(cand, cfg.k_bits, q)[0].tolist() == rotation.decide(head, cfg.k_bits, q)[0].tolist()
+        assert (
+            rotation.decide(cand, cfg.k_bits, q)[0].tolist()
+            == rotation.decide(head, cfg.k_bits, q)[0].tolist()
+        )
     model, toks = outlier_model("qwen2_bias"), tokens(640)
     cache = make_cache(model, VARIANTS["auto"])
     logits(model, toks, cache, chunk=640)

@@ -25,7 +25,9 @@ def run(args, env=None):
     """A command with these environment variables (None: unset)."""
     e = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     e = {k: v for k, v in e.items() if v is not None}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=e, cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=e, cwd=ROOT, timeout=300
+    )
 
 
 @pytest.fixture
@@ -46,8 +48,18 @@ def test_quick_bench_writes_a_tuning_file_it_reads_back(tmp_path):
     assert data["device"] == DEVICE and data["mlx"] == mx.__version__
     assert set(data["choices"]) >= {"min_queries"}
     assert {row["context"] for row in data["figures"]["attention_ms"]} == {2048, 8192}
-    assert all(row[k] > 0 for row in data["figures"]["attention_ms"] for k in ("plain", "dequantized", "ops"))
-    for line in ("| machine |", "| MLX | " + mx.__version__, "| context | queries |", "| min_queries |", str(out)):
+    assert all(
+        row[k] > 0
+        for row in data["figures"]["attention_ms"]
+        for k in ("plain", "dequantized", "ops")
+    )
+    for line in (
+        "| machine |",
+        "| MLX | " + mx.__version__,
+        "| context | queries |",
+        "| min_queries |",
+        str(out),
+    ):
         assert line in r.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["tuning.json"]  # no temp file left
 
@@ -67,7 +79,9 @@ def spy(monkeypatch):
     """Which attention function each step runs: 'dequantized' or 'ops'."""
     calls = []
     deq, ops = prefill.attend_dequantized, attention.attend
-    monkeypatch.setattr(prefill, "attend_dequantized", lambda *a, **k: calls.append("dequantized") or deq(*a, **k))
+    monkeypatch.setattr(
+        prefill, "attend_dequantized", lambda *a, **k: calls.append("dequantized") or deq(*a, **k)
+    )
     monkeypatch.setattr(attention, "attend", lambda *a, **k: calls.append("ops") or ops(*a, **k))
     return calls
 
@@ -92,7 +106,10 @@ def test_a_tuning_file_changes_which_path_a_chunk_takes(tmp_path, monkeypatch, c
 def test_the_next_start_reads_the_file(tmp_path, monkeypatch):
     path = tuning.write(tmp_path / "tuning.json", DEVICE, {"min_queries": 5}, {})
     show = ["-c", "import kvarn_mlx; from kvarn_mlx import prefill; print(prefill.MIN_QUERIES)"]
-    home = {"KVARN_MLX_HOME": str(tmp_path), "KVARN_MLX_TUNING": None}  # the default: $KVARN_MLX_HOME/tuning.json
+    home = {
+        "KVARN_MLX_HOME": str(tmp_path),
+        "KVARN_MLX_TUNING": None,
+    }  # the default: $KVARN_MLX_HOME/tuning.json
     r = run(show, home)
     assert r.returncode == 0 and f"'{DEVICE}': 5" in r.stdout, r.stderr
     path.write_text("{not json")
@@ -106,8 +123,14 @@ def test_the_next_start_reads_the_file(tmp_path, monkeypatch):
 
 
 def good():
-    return {"kind": tuning.KIND, "format": tuning.FORMAT, **tuning.machine(), "device": "cpu",
-            "choices": {"min_queries": 3, "cpu_streams": 1, "min_stream_tiles": 8}, "figures": {}}
+    return {
+        "kind": tuning.KIND,
+        "format": tuning.FORMAT,
+        **tuning.machine(),
+        "device": "cpu",
+        "choices": {"min_queries": 3, "cpu_streams": 1, "min_stream_tiles": 8},
+        "figures": {},
+    }
 
 
 BAD = {
@@ -126,7 +149,9 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_a_malformed_or_foreign_file_is_ignored_with_one_log_line(tmp_path, caplog, constants, case):
+def test_a_malformed_or_foreign_file_is_ignored_with_one_log_line(
+    tmp_path, caplog, constants, case
+):
     change, reason = BAD[case]
     path = tmp_path / "tuning.json"
     path.write_text(change if isinstance(change, str) else json.dumps({**good(), **change}))
@@ -141,23 +166,39 @@ def test_a_good_file_sets_every_choice_for_its_device_type(tmp_path, constants):
     path = tmp_path / "tuning.json"
     path.write_text(json.dumps(good()))
     assert tuning.apply(path) == {"min_queries": 3, "cpu_streams": 1, "min_stream_tiles": 8}
-    assert tuning.current("cpu") == {**tuning.DEFAULTS["cpu"], "min_queries": 3, "cpu_streams": 1,
-                                     "min_stream_tiles": 8}
+    assert tuning.current("cpu") == {
+        **tuning.DEFAULTS["cpu"],
+        "min_queries": 3,
+        "cpu_streams": 1,
+        "min_stream_tiles": 8,
+    }
     assert tuning.current("gpu")["min_queries"] == tuning.DEFAULTS["gpu"]["min_queries"]
     assert tuning.apply(tmp_path / "missing.json") is None
 
 
 def row(L, deq, ops, kernel=None, ctx=2048):
-    return {"context": ctx, "queries": L, "plain": 1.0, "dequantized": deq, "ops": ops, "kernel": kernel}
+    return {
+        "context": ctx,
+        "queries": L,
+        "plain": 1.0,
+        "dequantized": deq,
+        "ops": ops,
+        "kernel": kernel,
+    }
 
 
 def test_min_queries_is_where_the_dequantized_path_wins_from_on():
     rows = [row(1, 5, 1), row(4, 5, 4), row(8, 5, 6), row(16, 5, 9)]
     assert bench.choose_min_queries(rows, 16) == 8
     # summed over contexts: at 8 queries the packed path wins overall
-    assert bench.choose_min_queries(rows + [row(8, 9, 1, ctx=8192), row(16, 1, 2, ctx=8192)], 16) == 16
+    assert (
+        bench.choose_min_queries(rows + [row(8, 9, 1, ctx=8192), row(16, 1, 2, ctx=8192)], 16) == 16
+    )
     # the kernel, where it serves, is what the dequantized path competes with
-    assert bench.choose_min_queries([row(1, 5, 9, kernel=1), row(8, 5, 9, kernel=2), row(9, 5, 9)], 16) == 9
+    assert (
+        bench.choose_min_queries([row(1, 5, 9, kernel=1), row(8, 5, 9, kernel=2), row(9, 5, 9)], 16)
+        == 9
+    )
     assert bench.choose_min_queries([row(1, 5, 1), row(16, 5, 2)], 16) == 16  # never: the default
     assert bench.choose_min_queries([row(1, 1, 5), row(16, 5, 9)], 16) == 1
 
@@ -174,7 +215,9 @@ def test_reference_check_holds_the_attention_kernel_to_numpy(monkeypatch):
     """The comparison itself, without a device: the ops path in the kernel's place
     passes, an output off by 0.01 fails."""
     monkeypatch.setattr(kernels, "_self_test", lambda: True)
-    ops = lambda q, view, scale, causal: attention.attend(q, view, scale, "causal" if causal else None)
+    ops = lambda q, view, scale, causal: attention.attend(
+        q, view, scale, "causal" if causal else None
+    )
     monkeypatch.setattr(kernels, "packed_attention_metal", ops)
     assert bench.reference_check() is None
     monkeypatch.setattr(kernels, "packed_attention_metal", lambda *a: ops(*a) + 0.01)

@@ -18,9 +18,14 @@ KINDS = {
     "mlx-lm 4-bit": (lambda: QuantizedKVCache(64, 4), 4),
     "mlx-lm 8-bit": (lambda: QuantizedKVCache(64, 8), 8),
     "k4v2_g128": (lambda: KVarNCache("k4v2_g128"), get_preset("k4v2_g128")),
-    "k2v2 g64 sink 0": (lambda: KVarNCache(KVarNConfig(2, 2, 64, sink=0)),
-                        KVarNConfig(2, 2, 64, sink=0)),
-    "k8v8 sink 64": (lambda: KVarNCache(KVarNConfig(8, 8, 128, sink=64)), KVarNConfig(8, 8, 128, sink=64)),
+    "k2v2 g64 sink 0": (
+        lambda: KVarNCache(KVarNConfig(2, 2, 64, sink=0)),
+        KVarNConfig(2, 2, 64, sink=0),
+    ),
+    "k8v8 sink 64": (
+        lambda: KVarNCache(KVarNConfig(8, 8, 128, sink=64)),
+        KVarNConfig(8, 8, 128, sink=64),
+    ),
 }
 
 
@@ -50,7 +55,9 @@ def test_no_step_adds_more_than_its_bound(name):
         for i, L in enumerate(seq):
             now = feed(c, L)
             bound = budget.step_allocation(m, L)
-            assert now - held <= bound, f"{name}: a {L}-token step added {now - held} > {bound} bytes"
+            assert now - held <= bound, (
+                f"{name}: a {L}-token step added {now - held} > {bound} bytes"
+            )
             worst = max(worst, (now - held) / bound)
             if i and L == 1 and seq[i - 1] == 1:  # two one-token steps against the two-token bound
                 assert now - before_two <= budget.step_allocation(m, 2)
@@ -71,7 +78,9 @@ def test_window_cache_bound():
         held = now
 
 
-@pytest.mark.parametrize("text, n", [("2GB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1.5G", 3 * 2**29), ("4096", 4096)])
+@pytest.mark.parametrize(
+    "text, n", [("2GB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1.5G", 3 * 2**29), ("4096", 4096)]
+)
 def test_sizes(text, n):
     assert budget.parse_size(text) == n
 
@@ -93,20 +102,40 @@ def tiny(tmp_path_factory):
 
 
 def stop_line(err):
-    m = re.search(r"stopped after (\d+) generated tokens by --max-kv-bytes: the KV cache holds ([\d,]+) bytes "
-                  r".* could add up to ([\d,]+) bytes .*budget of ([\d,]+) bytes", err)
+    m = re.search(
+        r"stopped after (\d+) generated tokens by --max-kv-bytes: the KV cache holds ([\d,]+) "
+        r"bytes "
+        r".* could add up to ([\d,]+) bytes .*budget of ([\d,]+) bytes",
+        err,
+    )
     assert m, err
     return [int(g.replace(",", "")) for g in m.groups()]
 
 
-@pytest.mark.parametrize("preset, size", [("k4v2_g128", "300KiB"), ("fp16", "600KiB"), ("k2v2_g128", "400KiB")])
+@pytest.mark.parametrize(
+    "preset, size", [("k4v2_g128", "300KiB"), ("fp16", "600KiB"), ("k2v2_g128", "400KiB")]
+)
 def test_generate_stops_before_the_budget(tiny, capsys, preset, size):
-    generate.main(["--model", str(tiny), *PROMPT, "--max-tokens", "3000", "--kv-preset", preset, "--max-kv-bytes", size])
+    generate.main(
+        [
+            "--model",
+            str(tiny),
+            *PROMPT,
+            "--max-tokens",
+            "3000",
+            "--kv-preset",
+            preset,
+            "--max-kv-bytes",
+            size,
+        ]
+    )
     err = capsys.readouterr().err
     n, held, more, limit = stop_line(err)
     assert limit == budget.parse_size(size)
     assert 0 < n < 3000
-    assert held <= limit < held + more  # within the budget, stopped at the first step that could cross it
+    assert (
+        held <= limit < held + more
+    )  # within the budget, stopped at the first step that could cross it
 
 
 def test_generate_under_the_budget_runs_to_the_end(tiny, capsys):
@@ -118,7 +147,10 @@ def test_a_prompt_that_cannot_fit_is_an_error(tiny):
     with pytest.raises(SystemExit) as e:
         generate.main(["--model", str(tiny), *PROMPT, "--max-kv-bytes", "20KiB"])
     msg = e.value.code
-    assert msg.startswith("error: --max-kv-bytes: the 101-token prompt does not fit") and "\n" not in msg
+    assert (
+        msg.startswith("error: --max-kv-bytes: the 101-token prompt does not fit")
+        and "\n" not in msg
+    )
     assert "python -m kvarn_mlx.plan" in msg
 
 
@@ -131,9 +163,28 @@ def test_bad_size_fails_before_loading(monkeypatch):
 def test_speculative_decoding_stops_before_the_budget(tiny, capsys):
     # Verification steps add --num-draft-tokens + 1 tokens; the prompt is checked whole
     # (mlx-lm's speculative decoding reports no prompt progress).
-    generate.main(["--model", str(tiny), *PROMPT, "--max-tokens", "3000", "--kv-preset", "k4v2_g128",
-                   "--max-kv-bytes", "300KiB", "--draft-model", str(tiny), "--num-draft-tokens", "3"])
+    generate.main(
+        [
+            "--model",
+            str(tiny),
+            *PROMPT,
+            "--max-tokens",
+            "3000",
+            "--kv-preset",
+            "k4v2_g128",
+            "--max-kv-bytes",
+            "300KiB",
+            "--draft-model",
+            str(tiny),
+            "--num-draft-tokens",
+            "3",
+        ]
+    )
     n, held, more, limit = stop_line(capsys.readouterr().err)
     assert 0 < n < 3000 and held <= limit < held + more
-    with pytest.raises(SystemExit, match="the 101-token prompt does not fit; after 0 prompt tokens"):
-        generate.main(["--model", str(tiny), *PROMPT, "--max-kv-bytes", "100KiB", "--draft-model", str(tiny)])
+    with pytest.raises(
+        SystemExit, match="the 101-token prompt does not fit; after 0 prompt tokens"
+    ):
+        generate.main(
+            ["--model", str(tiny), *PROMPT, "--max-kv-bytes", "100KiB", "--draft-model", str(tiny)]
+        )

@@ -29,13 +29,17 @@ DIMS, GROUPS, SCALES = (64, 80, 96, 128, 256), (64, 128), sorted(SCALE_BYTES)
 
 # Each case checks every width pair. By default every head dim, tile size and scale
 # dtype once; the other combinations: -m slow.
-@pytest.mark.parametrize("D,G,scale_dtype", grid(DIMS, GROUPS, SCALES, covering=diagonal(DIMS, GROUPS, SCALES)))
+@pytest.mark.parametrize(
+    "D,G,scale_dtype", grid(DIMS, GROUPS, SCALES, covering=diagonal(DIMS, GROUPS, SCALES))
+)
 def test_tile_bytes_per_token_are_the_layout_formula(D, G, scale_dtype):
     B, H, n = 1, 2, 2
     s = SCALE_BYTES[scale_dtype]
     checked = 0
     for kb, vb in pairs(D, scale_dtype):
-        cache = KVarNCache(KVarNConfig(k_bits=kb, v_bits=vb, group_size=G, sink=0, scale_dtype=scale_dtype))
+        cache = KVarNCache(
+            KVarNConfig(k_bits=kb, v_bits=vb, group_size=G, sink=0, scale_dtype=scale_dtype)
+        )
         x = mx.random.normal((B, H, n * G, D), key=mx.random.key(kb * 10 + vb)).astype(mx.float16)
         mx.eval(cache.update_and_fetch(x, x), cache.held_arrays())
         assert cache.n_tiles == n
@@ -45,4 +49,8 @@ def test_tile_bytes_per_token_are_the_layout_formula(D, G, scale_dtype):
         assert b["scales"] * G == tokens * 3 * (D + G) * s, (kb, vb)
         checked += 1
     # 80 takes no 3- or 5-bit values (80*3 and 80*5 are not multiples of 32).
-    assert checked == (len(SUPPORTED_BITS) * (4 if D == 80 else 6) if scale_dtype != "fp8" else (6 if D == 80 else 9))
+    assert checked == (
+        len(SUPPORTED_BITS) * (4 if D == 80 else 6)
+        if scale_dtype != "fp8"
+        else (6 if D == 80 else 9)
+    )

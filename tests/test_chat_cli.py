@@ -50,7 +50,9 @@ def test_save_naming_and_never_overwriting_another_file(tiny, tmp_path):
     weights = tmp_path / "weights.safetensors"
     weights.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     before = weights.read_bytes()
-    rc, out = chat(tiny, ["Hi", f"/save {tmp_path / 'chat'}", f"/save {tmp_path / 'weights'}", "Still there?"])
+    rc, out = chat(
+        tiny, ["Hi", f"/save {tmp_path / 'chat'}", f"/save {tmp_path / 'weights'}", "Still there?"]
+    )
     assert rc == 0
     assert f"saved to {tmp_path / 'chat.safetensors'}" in out
     assert "not a kvarn-mlx prompt-cache file" in out and "/save! FILE" in out
@@ -58,7 +60,9 @@ def test_save_naming_and_never_overwriting_another_file(tiny, tmp_path):
     assert out.count(" ctx tokens") == 2  # the session went on after the refused save
     # asked explicitly, it is replaced
     rc, out = chat(tiny, ["Hi", f"/save! {tmp_path / 'weights'}"])
-    assert f"saved to {weights}" in out and [m["content"] for m in saved_messages(weights)][0] == "Hi"
+    assert (
+        f"saved to {weights}" in out and [m["content"] for m in saved_messages(weights)][0] == "Hi"
+    )
 
 
 def test_failed_save_keeps_the_session(tiny, tmp_path, monkeypatch):
@@ -111,9 +115,15 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_conversation(tiny, tmp_path):
 def test_ctrl_c_in_a_terminal_session(tiny, tmp_path):
     """A real process and a real SIGINT mid-reply: no abort, no traceback, the session goes on."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "apps.chat", "--cli", "--model", str(tiny), "--max-tokens", "4000"],
-                         cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "apps.chat", "--cli", "--model", str(tiny), "--max-tokens", "4000"],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     os.set_blocking(p.stdout.fileno(), False)
 
     def read_until(pred, timeout=120):
@@ -148,7 +158,10 @@ def test_model_that_cannot_load_is_one_line(tiny, tmp_path):
     assert cli.run_cli({"models": [str(bad)]}, inp=script(["Hi"]), out=out) == 1
     lines = out.getvalue().splitlines()
     assert lines[0] == "loading the model..." and len(lines) == 2
-    assert lines[1].startswith("error: cannot load the model") and "download or convert it again" in lines[1]
+    assert (
+        lines[1].startswith("error: cannot load the model")
+        and "download or convert it again" in lines[1]
+    )
 
 
 def test_invalid_utf8_input_line_is_reported_and_skipped(tiny):
@@ -164,4 +177,7 @@ def test_invalid_utf8_input_line_is_reported_and_skipped(tiny):
 
     out = io.StringIO()
     assert cli.run_cli({"models": [str(tiny)], "max_tokens": 3}, inp=inp, out=out) == 0
-    assert "error: that line is not valid UTF-8" in out.getvalue() and out.getvalue().count(" ctx tokens") == 1
+    assert (
+        "error: that line is not valid UTF-8" in out.getvalue()
+        and out.getvalue().count(" ctx tokens") == 1
+    )

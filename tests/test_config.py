@@ -31,7 +31,11 @@ def test_preset_table_is_the_paper_table():
     assert set(PAPER_PRESETS) <= set(PRESETS)
     pairs = {(c.k_bits, c.v_bits) for n, c in PRESETS.items() if n.endswith("_g128")}
     assert pairs == {(kb, vb) for kb in (2, 3, 4, 5, 6, 8) for vb in (2, 3, 4, 5, 6, 8) if vb <= kb}
-    assert set(PRESETS) == {f"k{kb}v{vb}_g128" for kb, vb in pairs} | {"k4v2_g64", "auto2", "auto4v2"}
+    assert set(PRESETS) == {f"k{kb}v{vb}_g128" for kb, vb in pairs} | {
+        "k4v2_g64",
+        "auto2",
+        "auto4v2",
+    }
     for name, cfg in PRESETS.items():
         assert name in ("auto2", "auto4v2") or cfg.name == name
     # upstream ships k4v2_g128; the default is that with per-head key rotation,
@@ -41,7 +45,12 @@ def test_preset_table_is_the_paper_table():
         cfg = get_preset(name)
         assert cfg.rotate_keys == "auto" and cfg.rotate_values is True
         fixed = get_preset("k2v2_g128" if name == "auto2" else "k4v2_g128")
-        assert (cfg.k_bits, cfg.v_bits, cfg.group_size, cfg.iters) == (fixed.k_bits, fixed.v_bits, fixed.group_size, fixed.iters)
+        assert (cfg.k_bits, cfg.v_bits, cfg.group_size, cfg.iters) == (
+            fixed.k_bits,
+            fixed.v_bits,
+            fixed.group_size,
+            fixed.iters,
+        )
 
 
 def test_overrides():
@@ -74,6 +83,7 @@ def test_any_width_pair_by_name(name):
 def test_unsupported_names_list_the_valid_ones(name):
     with pytest.raises(ValueError, match="any kXvY_gG"):
         get_preset(name)
+
 
 def test_unknown_preset_lists_valid_names():
     with pytest.raises(ValueError) as e:

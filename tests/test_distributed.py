@@ -23,7 +23,10 @@ LAUNCH = shutil.which("mlx.launch") or os.path.join(os.path.dirname(sys.executab
 TIMEOUT = 240
 PRESET = ["--kv-preset", "k4v2_g64", "--kv-sink", "16"]
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not os.path.exists(LAUNCH), reason="mlx.launch is not installed")]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(not os.path.exists(LAUNCH), reason="mlx.launch is not installed"),
+]
 
 GENERATE = """
 import json, sys
@@ -45,27 +48,41 @@ print(json.dumps({"rank": group.rank(), "size": group.size(), "tokens": tokens,
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny4") / "model", num_attention_heads=4,
-                             num_key_value_heads=4)
+    return tiny_model_folder(
+        tmp_path_factory.mktemp("tiny4") / "model", num_attention_heads=4, num_key_value_heads=4
+    )
 
 
 def launch(n, *command, **kwargs):
     # "--": mlx.launch would take the command's own flags it shares (e.g. --verbose).
-    return subprocess.Popen([LAUNCH, "--backend", "ring", "-n", str(n), "--python", sys.executable, "--", *command],
-                            cwd=ROOT, **kwargs)
+    return subprocess.Popen(
+        [LAUNCH, "--backend", "ring", "-n", str(n), "--python", sys.executable, "--", *command],
+        cwd=ROOT,
+        **kwargs,
+    )
 
 
 def test_two_ranks_generate_what_one_does_with_half_the_kv_bytes_each(model_dir, tmp_path):
     script = tmp_path / "generate.py"
     script.write_text(GENERATE)
-    one = subprocess.run([sys.executable, str(script), str(model_dir)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=TIMEOUT)
+    one = subprocess.run(
+        [sys.executable, str(script), str(model_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert one.returncode == 0, one.stderr
     alone = json.loads(one.stdout.strip().splitlines()[-1])
-    proc = launch(2, str(script), str(model_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = launch(
+        2, str(script), str(model_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     out, err = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 0, err
-    ranks = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+    ranks = sorted(
+        (json.loads(line) for line in out.splitlines() if line.startswith("{")),
+        key=lambda r: r["rank"],
+    )
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["size"] == 2 for r in ranks)
     assert alone["tiles"] >= 2
     for r in ranks:
@@ -80,7 +97,9 @@ def get(url):
 
 
 def post(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
         return json.loads(r.read())
 
@@ -88,7 +107,9 @@ def post(url, body):
 def serve_and_ask(command, port, log):
     """Start a server (a list of argv), ask one chat request, return (reply, kv stats)."""
     # Its own process group: mlx.launch leaves its ranks running when it is stopped alone.
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + TIMEOUT
@@ -100,8 +121,14 @@ def serve_and_ask(command, port, log):
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.3)
-        reply = post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "tell me " * 60}],
-                                                     "max_tokens": 40, "temperature": 0.0})
+        reply = post(
+            url + "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "tell me " * 60}],
+                "max_tokens": 40,
+                "temperature": 0.0,
+            },
+        )
         return reply["choices"][0]["message"]["content"], get(url + "/v1/kv_stats")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -126,8 +153,23 @@ def test_the_server_on_two_ranks(model_dir, tmp_path):
         want, one = serve_and_ask([sys.executable, *args, "--port", str(port)], port, log)
     with open(tmp_path / "two.log", "w") as log:
         port = free_port()
-        got, two = serve_and_ask([LAUNCH, "--backend", "ring", "-n", "2", "--python", sys.executable, "--",
-                                  *args, "--port", str(port)], port, log)
+        got, two = serve_and_ask(
+            [
+                LAUNCH,
+                "--backend",
+                "ring",
+                "-n",
+                "2",
+                "--python",
+                sys.executable,
+                "--",
+                *args,
+                "--port",
+                str(port),
+            ],
+            port,
+            log,
+        )
     assert got == want
     held_one, held_two = one["prompt_cache"], two["prompt_cache"]
     assert held_one["tokens"] == held_two["tokens"] > 64
@@ -135,11 +177,26 @@ def test_the_server_on_two_ranks(model_dir, tmp_path):
 
 
 def test_generate_on_two_ranks(model_dir):
-    args = ["-m", "kvarn_mlx.generate", "--model", str(model_dir), "--prompt", "tell me " * 40, "--max-tokens", "50",
-            *PRESET, "--verbose", "false"]
-    one = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    args = [
+        "-m",
+        "kvarn_mlx.generate",
+        "--model",
+        str(model_dir),
+        "--prompt",
+        "tell me " * 40,
+        "--max-tokens",
+        "50",
+        *PRESET,
+        "--verbose",
+        "false",
+    ]
+    one = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT
+    )
     assert one.returncode == 0, one.stderr
-    proc = launch(2, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = launch(
+        2, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=TIMEOUT)
     finally:
@@ -152,8 +209,15 @@ def test_generate_on_two_ranks(model_dir):
 def test_prompt_from_stdin_on_two_ranks_is_an_error(model_dir):
     # mlx.launch does not hand every rank the same stdin: ranks would disagree and hang.
     args = ["-m", "kvarn_mlx.generate", "--model", str(model_dir), "--prompt", "-"]
-    proc = launch(2, *args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                  start_new_session=True)
+    proc = launch(
+        2,
+        *args,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=TIMEOUT)
     finally:

@@ -36,7 +36,9 @@ def test_negative_indices_count_model_layers():
 
 @pytest.mark.parametrize("bad", [2, -3, 10])
 def test_a_layer_that_does_not_exist_is_a_clear_error(bad):
-    with pytest.raises(ValueError, match=rf"fp16 layer {bad} does not exist: the model has 2 layers"):
+    with pytest.raises(
+        ValueError, match=rf"fp16 layer {bad} does not exist: the model has 2 layers"
+    ):
         make_cache(tiny_model("llama64"), "k4v2_g64", fp16_layers=[bad])
 
 
@@ -50,10 +52,13 @@ def test_full_precision_layers_attend_like_the_plain_cache():
     assert np.array_equal(np.array(plain), np.array(both))
     caches = make_cache(model, "k2v2_g128", sink=0, fp16_layers=[0])
     mx.eval(model(prompt, cache=caches))
-    assert type(caches[0]) is KVCache and isinstance(caches[1], KVarNCache) and caches[1].n_tiles == 2
+    assert (
+        type(caches[0]) is KVCache and isinstance(caches[1], KVarNCache) and caches[1].n_tiles == 2
+    )
 
 
 # python -m kvarn_mlx.generate --kv-fp16-layers ----------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
@@ -70,7 +75,9 @@ def _main(argv):
 
 @pytest.mark.parametrize("value", ["a,b", "0;1", "", "1.5"])
 def test_generate_bad_layer_list_is_one_line_before_loading(value, monkeypatch):
-    monkeypatch.setattr("kvarn_mlx.loader.load", lambda *a, **k: pytest.fail("loaded before checking flags"))
+    monkeypatch.setattr(
+        "kvarn_mlx.loader.load", lambda *a, **k: pytest.fail("loaded before checking flags")
+    )
     with pytest.raises(SystemExit) as e:
         _main(["--kv-fp16-layers", value])
     assert str(e.value.code).startswith(f"error: --kv-fp16-layers {value!r}: use layer indices")
@@ -81,10 +88,14 @@ def test_generate_keeps_the_layers_plain(tiny_folder, capsys, monkeypatch):
 
     made = []
     real = generate.make_cache
-    monkeypatch.setattr(generate, "make_cache", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    monkeypatch.setattr(
+        generate, "make_cache", lambda *a, **k: made.append(real(*a, **k)) or made[-1]
+    )
     _main(["--model", str(tiny_folder), "--kv-preset", "k3v5_g64", "--kv-fp16-layers", "-1"])
     assert "KV cache: k3v5_g64, layers -1 plain" in capsys.readouterr().out
     assert kinds(made[0]) == ["KVarNCache", "KVCache"] and made[0][0].config.v_bits == 5
     with pytest.raises(SystemExit) as e:
         _main(["--model", str(tiny_folder), "--kv-fp16-layers", "0,2"])
-    assert e.value.code.startswith("error: --kv-fp16-layers 0,2: fp16 layer 2 does not exist: the model has 2 layers")
+    assert e.value.code.startswith(
+        "error: --kv-fp16-layers 0,2: fp16 layer 2 does not exist: the model has 2 layers"
+    )

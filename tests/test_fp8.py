@@ -29,7 +29,15 @@ def test_mlx_converts_e4m3_exactly():
     rng = np.random.default_rng(0)
     x = rng.standard_normal(100_000) * np.exp(rng.uniform(-16, 8, 100_000))
     finite = ref.fp8_decode(np.arange(128))[:127]
-    x = np.concatenate([x, finite, -finite, (finite[:-1] + finite[1:]) / 2, [448, 449, 500, 1e9, 2.0**-10, 2.0**-11]])
+    x = np.concatenate(
+        [
+            x,
+            finite,
+            -finite,
+            (finite[:-1] + finite[1:]) / 2,
+            [448, 449, 500, 1e9, 2.0**-10, 2.0**-11],
+        ]
+    )
     x = x.astype(np.float32)
     enc = np.array(mx.to_fp8(mx.array(x)))
     assert np.array_equal(enc, ref.fp8_encode(x))
@@ -74,10 +82,16 @@ def test_ops_match_reference(D, bits, kind):
     ties = 0
     for i in range(len(M)):
         rc, ra, rb, rcol = ref.fp8_store(M[i], bits, *(f[i] for f in factors))
-        assert np.array_equal(a[i], ra) and np.array_equal(b[i], rb) and np.array_equal(col[i], rcol), i
-        frac = (M[i] / ref.fp8_decode(rcol)[None, :] - ref.fp8_decode(rb)[:, None]) / ref.fp8_decode(ra)[:, None]
+        assert (
+            np.array_equal(a[i], ra) and np.array_equal(b[i], rb) and np.array_equal(col[i], rcol)
+        ), i
+        frac = (
+            M[i] / ref.fp8_decode(rcol)[None, :] - ref.fp8_decode(rb)[:, None]
+        ) / ref.fp8_decode(ra)[:, None]
         diff = code[i].astype(int) - rc
-        assert np.all(np.abs(diff) <= 1) and np.all(np.abs(frac - np.floor(frac) - 0.5)[diff != 0] < TIE), i
+        assert np.all(np.abs(diff) <= 1) and np.all(
+            np.abs(frac - np.floor(frac) - 0.5)[diff != 0] < TIE
+        ), i
         ties += int((diff != 0).sum())
     assert ties <= 1e-3 * code.size
 
@@ -116,9 +130,13 @@ def test_scales_fit_e4m3_and_keep_the_error(kind, bits, mag):
     a, b, col, live = (sr * scale)[..., 0], (sr * lo)[..., 0], sc[..., 0, :], scale[..., 0] > 1e-10
     f = mx.power(2.0, fp8.fit_exponents(a, b, col, live))
     if mag > 1e2:
-        assert not ((mx.abs(b * f) <= 448).all() and (col / f <= 448).all())  # the range is exceeded
+        assert not (
+            (mx.abs(b * f) <= 448).all() and (col / f <= 448).all()
+        )  # the range is exceeded
     else:
-        assert (mx.abs(a * f) < 448).all() and (mx.abs(b * f) <= 448).all() and (col / f <= 448).all()
+        assert (
+            (mx.abs(a * f) < 448).all() and (mx.abs(b * f) <= 448).all() and (col / f <= 448).all()
+        )
         assert (mx.where(live, a * f, 1.0) >= fp8.TINY).all() and (col / f >= fp8.TINY).all()
 
     fn = quant.quantize_keys if kind == "k" else quant.quantize_values
@@ -142,8 +160,10 @@ def test_config_allows_fp8_only_for_narrow_codes():
 def test_cache_holds_one_byte_per_scale_and_attends_over_it():
     rng = np.random.default_rng(1)
     G, D, H = 64, 64, 2
-    caches = {s: KVarNCache(KVarNConfig(k_bits=4, v_bits=2, group_size=G, sink=G, scale_dtype=s))
-              for s in ("float16", "fp8")}
+    caches = {
+        s: KVarNCache(KVarNConfig(k_bits=4, v_bits=2, group_size=G, sink=G, scale_dtype=s))
+        for s in ("float16", "fp8")
+    }
     k = mx.array(rng.standard_normal((1, H, G + 3 * G + 7, D)).astype(np.float32))
     v = mx.array(rng.standard_normal((1, H, G + 3 * G + 7, D)).astype(np.float32))
     for c in caches.values():
@@ -165,15 +185,37 @@ def test_cache_holds_one_byte_per_scale_and_attends_over_it():
     valid = view.tiles.valid(view.n_tiles)
     out = np.zeros((1, 2 * H, 1, D))
     for h in range(H):
-        kts = [(ref.unpack(np.array(valid.k_words[0, h, i]), 4), *(ref.fp8_decode(np.array(getattr(valid, n)[0, h, i]))
-                                                               for n in ("k_a", "k_b", "k_t")))
-               for i in range(view.n_tiles)]
-        vts = [(ref.unpack(np.array(valid.v_words[0, h, i]), 2), *(ref.fp8_decode(np.array(getattr(valid, n)[0, h, i]))
-                                                               for n in ("v_a", "v_b", "v_c")))
-               for i in range(view.n_tiles)]
+        kts = [
+            (
+                ref.unpack(np.array(valid.k_words[0, h, i]), 4),
+                *(
+                    ref.fp8_decode(np.array(getattr(valid, n)[0, h, i]))
+                    for n in ("k_a", "k_b", "k_t")
+                ),
+            )
+            for i in range(view.n_tiles)
+        ]
+        vts = [
+            (
+                ref.unpack(np.array(valid.v_words[0, h, i]), 2),
+                *(
+                    ref.fp8_decode(np.array(getattr(valid, n)[0, h, i]))
+                    for n in ("v_a", "v_b", "v_c")
+                ),
+            )
+            for i in range(view.n_tiles)
+        ]
         f = lambda x: np.array(x[0, h]).astype(np.float64)
-        out[0, 2 * h: 2 * h + 2] = ref.attention(np.array(q[0, 2 * h: 2 * h + 2]), f(view.sink_k), f(view.sink_v),
-                                                 kts, vts, f(view.recent_k), f(view.recent_v), D**-0.5)
+        out[0, 2 * h : 2 * h + 2] = ref.attention(
+            np.array(q[0, 2 * h : 2 * h + 2]),
+            f(view.sink_k),
+            f(view.sink_v),
+            kts,
+            vts,
+            f(view.recent_k),
+            f(view.recent_v),
+            D**-0.5,
+        )
     got = np.array(packed_attention(q, cache, D**-0.5))
     np.testing.assert_allclose(got, out, atol=2e-5, rtol=1e-4)
     # ... and the dequantized fallback reads the same bytes.
@@ -182,6 +224,7 @@ def test_cache_holds_one_byte_per_scale_and_attends_over_it():
 
 
 # Metal: the attention kernel reads e4m3 scales; tile quantization falls back to the ops path.
+
 
 def _metal():
     import metal_emulator
@@ -206,9 +249,14 @@ def test_metal_attention_reads_fp8_scales(kb, vb, L):
     rng = np.random.default_rng([kb, vb, L])
     B, H, n, G, D = 1, 2, 3, 64, 128
     x = mx.array(rng.standard_normal((2, B, H, n, G, D)).astype(np.float32))
-    tiles_ = Tiles(*quant.quantize_keys(x[0], kb, scale_dtype="fp8"), *quant.quantize_values(x[1], vb, scale_dtype="fp8"))
+    tiles_ = Tiles(
+        *quant.quantize_keys(x[0], kb, scale_dtype="fp8"),
+        *quant.quantize_values(x[1], vb, scale_dtype="fp8"),
+    )
     storage = append(None, tiles_, 2)  # room past the valid tiles
-    dense = lambda m: mx.array(rng.standard_normal((B, H, m, D)).astype(np.float32)).astype(mx.float16)
+    dense = lambda m: mx.array(rng.standard_normal((B, H, m, D)).astype(np.float32)).astype(
+        mx.float16
+    )
     view = StepView(dense(G), dense(G), storage, n, dense(10), dense(10), kb, vb)
     q = mx.array(rng.standard_normal((B, 2 * H, L, D)).astype(np.float32))
     assert kernels.attention_unsupported(q, view) is None
@@ -245,8 +293,13 @@ def test_model_logits_with_fp8_scales_are_as_close_to_the_plain_cache():
     model = tiny_model("llama64")
     outs = {}
     for s in ("plain", "float16", "fp8"):
-        cache = make_prompt_cache(model) if s == "plain" else make_cache(
-            model, KVarNConfig(k_bits=4, v_bits=4, group_size=64, sink=64, scale_dtype=s))
+        cache = (
+            make_prompt_cache(model)
+            if s == "plain"
+            else make_cache(
+                model, KVarNConfig(k_bits=4, v_bits=4, group_size=64, sink=64, scale_dtype=s)
+            )
+        )
         logits = [model(mx.array(tokens(200, seed=1))[None], cache=cache)]  # sink + 2 tiles
         for chunk in (100, 5, 1, 1):  # attends over the tiles with long, short and one-token steps
             logits.append(model(mx.array(tokens(chunk, seed=chunk))[None], cache=cache))

@@ -25,7 +25,17 @@ pytestmark = pytest.mark.e2e
 # quantized tiles: test_compare_runs_the_plain_cache_too).
 @pytest.mark.parametrize("preset", [pytest.param("k4v2_g128", marks=pytest.mark.slow), "k2v2_g128"])
 def test_answers_with_quantized_tiles(capsys, smollm, preset):
-    out = run(capsys, "--prompt", QUESTION, "--system-prompt", LONG_SYSTEM, "--kv-preset", preset, "--kv-sink", "0").out
+    out = run(
+        capsys,
+        "--prompt",
+        QUESTION,
+        "--system-prompt",
+        LONG_SYSTEM,
+        "--kv-preset",
+        preset,
+        "--kv-sink",
+        "0",
+    ).out
     assert "Paris" in out
     assert f"KV cache: {preset}" in out
     tiles = int(out.split("Tiles quantized: ")[1].split()[0])
@@ -34,7 +44,9 @@ def test_answers_with_quantized_tiles(capsys, smollm, preset):
 
 
 def test_compare_runs_the_plain_cache_too(capsys, smollm):
-    out = run(capsys, "--prompt", QUESTION, "--system-prompt", LONG_SYSTEM, "--kv-sink", "0", "--compare").out
+    out = run(
+        capsys, "--prompt", QUESTION, "--system-prompt", LONG_SYSTEM, "--kv-sink", "0", "--compare"
+    ).out
     assert out.count("Paris") >= 2
     assert "KV cache: fp16" in out and "Measured, held: plain" in out
     assert "Measured, per token without preallocated room: plain" in out
@@ -47,20 +59,40 @@ def test_prompt_from_stdin(capsys, smollm, monkeypatch):
 
 def test_prompt_cache_file_saved_then_reused(capsys, smollm, tmp_path):
     path = tmp_path / "chat.safetensors"
-    first = run(capsys, "--prompt", QUESTION, "--system-prompt", LONG_SYSTEM, "--kv-sink", "0",
-                "--prompt-cache-file", str(path))
+    first = run(
+        capsys,
+        "--prompt",
+        QUESTION,
+        "--system-prompt",
+        LONG_SYSTEM,
+        "--kv-sink",
+        "0",
+        "--prompt-cache-file",
+        str(path),
+    )
     assert path.exists() and "Saved the prompt cache" in first.err
-    again = run(capsys, "--prompt", "And of Italy?", "--ignore-chat-template", "--prompt-cache-file", str(path)).out
+    again = run(
+        capsys,
+        "--prompt",
+        "And of Italy?",
+        "--ignore-chat-template",
+        "--prompt-cache-file",
+        str(path),
+    ).out
     assert "KV cache: loaded from chat.safetensors" in again
     assert int(again.split("Tiles quantized: ")[1].split()[0]) >= 2
 
 
 def test_bad_input_exits_with_the_fix(capsys, smollm, tmp_path):
-    with pytest.raises(SystemExit, match="--kv-preset: unknown KVarN preset 'k1v1'; valid presets: .*k4v2_g128"):
+    with pytest.raises(
+        SystemExit, match="--kv-preset: unknown KVarN preset 'k1v1'; valid presets: .*k4v2_g128"
+    ):
         generate.main(["--kv-preset", "k1v1"])
     bad = tmp_path / "broken.safetensors"
     bad.write_bytes(b"not a safetensors file")
-    with pytest.raises(SystemExit, match="broken.safetensors is not a safetensors file .*delete it"):
+    with pytest.raises(
+        SystemExit, match="broken.safetensors is not a safetensors file .*delete it"
+    ):
         generate.main(["--prompt-cache-file", str(bad)])
     with pytest.raises(SystemExit, match="no such model folder"):
         generate.main(["--model", str(tmp_path / "missing")])

@@ -25,6 +25,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture
 def no_model(monkeypatch):
     """Flag errors must come before the model is loaded."""
+
     def load(*a, **k):
         raise AssertionError("the model was loaded before the flags were checked")
 
@@ -41,26 +42,31 @@ def one_line_error(argv):
     return msg
 
 
-@pytest.mark.parametrize("argv, names", [
-    (["--kv-sink", "-5"], "--kv-sink -5"),
-    (["--max-tokens", "0"], "--max-tokens 0"),
-    (["--prefill-step-size", "0"], "--prefill-step-size 0"),
-    (["--seed", "-1"], "--seed -1"),
-    (["--temp", "nan"], "--temp nan"),
-    (["--temp", "inf"], "--temp inf"),
-    (["--temp", "-0.5"], "--temp -0.5"),
-    (["--top-p", "1.5"], "--top-p 1.5"),
-    (["--top-p", "nan"], "--top-p nan"),
-    (["--kv-preset", "k1v1"], "--kv-preset: unknown KVarN preset 'k1v1'"),
-    (["--prompt", "", "--ignore-chat-template"], "empty prompt"),
-    (["--prompt", "  \n", "--ignore-chat-template"], "empty prompt"),
-])
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["--kv-sink", "-5"], "--kv-sink -5"),
+        (["--max-tokens", "0"], "--max-tokens 0"),
+        (["--prefill-step-size", "0"], "--prefill-step-size 0"),
+        (["--seed", "-1"], "--seed -1"),
+        (["--temp", "nan"], "--temp nan"),
+        (["--temp", "inf"], "--temp inf"),
+        (["--temp", "-0.5"], "--temp -0.5"),
+        (["--top-p", "1.5"], "--top-p 1.5"),
+        (["--top-p", "nan"], "--top-p nan"),
+        (["--kv-preset", "k1v1"], "--kv-preset: unknown KVarN preset 'k1v1'"),
+        (["--prompt", "", "--ignore-chat-template"], "empty prompt"),
+        (["--prompt", "  \n", "--ignore-chat-template"], "empty prompt"),
+    ],
+)
 def test_bad_flags_one_line_before_loading(no_model, argv, names):
     assert names in one_line_error(argv)
 
 
 def test_invalid_utf8_on_stdin(no_model, monkeypatch):
-    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 au lait"), encoding="utf-8"))
+    monkeypatch.setattr(
+        "sys.stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 au lait"), encoding="utf-8")
+    )
     msg = one_line_error(["--prompt", "-"])
     assert "stdin is not valid UTF-8" in msg and "byte 3" in msg
 
@@ -117,7 +123,10 @@ def test_cache_from_another_model_names_both(capsys, tmp_path, tiny):
     path = tmp_path / "c.safetensors"
     generate.main(["--model", str(tiny), "--max-tokens", "3", "--prompt-cache-file", str(path)])
     msg = one_line_error(["--model", str(other), "--prompt-cache-file", str(path)])
-    assert f"saved with model {tiny} (2 layers, 1 kv heads)" in msg and f"{other} (2 layers, 1 kv heads)" in msg
+    assert (
+        f"saved with model {tiny} (2 layers, 1 kv heads)" in msg
+        and f"{other} (2 layers, 1 kv heads)" in msg
+    )
     msg = one_line_error(["--model", str(heads), "--prompt-cache-file", str(path)])
     assert f"{tiny} (2 layers, 1 kv heads)" in msg and f"{heads} (2 layers, 2 kv heads)" in msg
 
@@ -133,12 +142,32 @@ def generated(out):
 
 def test_generation_stops_at_the_context_limit(capsys, tmp_path):
     short = tiny_model_folder(tmp_path / "short", max_position_embeddings=64)
-    generate.main(["--model", str(short), "--prompt", PROMPT_40, "--ignore-chat-template", "--max-tokens", "100"])
+    generate.main(
+        [
+            "--model",
+            str(short),
+            "--prompt",
+            PROMPT_40,
+            "--ignore-chat-template",
+            "--max-tokens",
+            "100",
+        ]
+    )
     r = capsys.readouterr()
     assert "40-token prompt + --max-tokens 100 go beyond the model's 64-token context" in r.err
     assert generated(r.out) == 24
-    generate.main(["--model", str(short), "--prompt", PROMPT_40, "--ignore-chat-template", "--max-tokens", "100",
-                   "--allow-beyond-context"])
+    generate.main(
+        [
+            "--model",
+            str(short),
+            "--prompt",
+            PROMPT_40,
+            "--ignore-chat-template",
+            "--max-tokens",
+            "100",
+            "--allow-beyond-context",
+        ]
+    )
     r = capsys.readouterr()
     assert "beyond the model's 64-token context" in r.err and generated(r.out) == 100
 
@@ -146,9 +175,21 @@ def test_generation_stops_at_the_context_limit(capsys, tmp_path):
 def test_prompt_longer_than_the_context(capsys, tmp_path):
     short = tiny_model_folder(tmp_path / "short", max_position_embeddings=32)
     msg = one_line_error(["--model", str(short), "--prompt", PROMPT_40, "--ignore-chat-template"])
-    assert "40-token prompt" in msg and "32-token context" in msg and "--allow-beyond-context" in msg
-    generate.main(["--model", str(short), "--prompt", PROMPT_40, "--ignore-chat-template", "--max-tokens", "5",
-                   "--allow-beyond-context"])
+    assert (
+        "40-token prompt" in msg and "32-token context" in msg and "--allow-beyond-context" in msg
+    )
+    generate.main(
+        [
+            "--model",
+            str(short),
+            "--prompt",
+            PROMPT_40,
+            "--ignore-chat-template",
+            "--max-tokens",
+            "5",
+            "--allow-beyond-context",
+        ]
+    )
     r = capsys.readouterr()
     assert "40-token prompt" in r.err and "32-token context" in r.err and generated(r.out) == 5
 
@@ -159,9 +200,14 @@ def test_prompt_longer_than_the_context(capsys, tmp_path):
 def interrupt(argv, after_bytes=40, timeout=120):
     """Run the CLI, send SIGINT once `after_bytes` of the answer are out; (rc, stdout, stderr)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "kvarn_mlx.generate", *argv], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kvarn_mlx.generate", *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     os.set_blocking(p.stdout.fileno(), False)
     out, deadline = b"", time.monotonic() + timeout
     while len(out) < after_bytes and p.poll() is None and time.monotonic() < deadline:
@@ -174,7 +220,9 @@ def interrupt(argv, after_bytes=40, timeout=120):
 
 def test_ctrl_c_stops_cleanly_prints_stats_and_saves(tmp_path, tiny):
     path = tmp_path / "c.safetensors"
-    rc, out, err = interrupt(["--model", str(tiny), "--max-tokens", "6000", "--prompt-cache-file", str(path)])
+    rc, out, err = interrupt(
+        ["--model", str(tiny), "--max-tokens", "6000", "--prompt-cache-file", str(path)]
+    )
     assert rc == 130, err
     assert "Traceback" not in err and "interrupted" in err
     assert "KV cache: auto4v2" in out and "Generation: " in out
@@ -193,10 +241,28 @@ def test_ctrl_c_stops_cleanly_prints_stats_and_saves(tmp_path, tiny):
 def test_ctrl_c_during_the_prompt_saves_no_partial_cache(tmp_path, tiny):
     path = tmp_path / "c.safetensors"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "kvarn_mlx.generate", "--model", str(tiny), "--prompt", "-",
-                          "--ignore-chat-template", "--prefill-step-size", "8", "--prompt-cache-file", str(path)],
-                         cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvarn_mlx.generate",
+            "--model",
+            str(tiny),
+            "--prompt",
+            "-",
+            "--ignore-chat-template",
+            "--prefill-step-size",
+            "8",
+            "--prompt-cache-file",
+            str(path),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     p.stdin.write(" ".join(["word"] * 8000).encode())
     p.stdin.close()
     p.stdin = None  # sent; communicate() must not flush it

@@ -58,16 +58,39 @@ def test_saving_starts_where_it_says(capsys, tiny):
     out = stats(capsys, "--model", str(tiny))
     start = int(re.search(r"from token (\d+)", out).group(1))
     words = " ".join(["word"] * start)
-    out = stats(capsys, "--model", str(tiny), "--prompt", words, "--ignore-chat-template", "--max-tokens", "1")
+    out = stats(
+        capsys,
+        "--model",
+        str(tiny),
+        "--prompt",
+        words,
+        "--ignore-chat-template",
+        "--max-tokens",
+        "1",
+    )
     per_token = re.search(r"KV bytes held: .* for (\d+) tokens", out)
     assert int(per_token.group(1)) >= start and "no tile quantized yet" not in out
-    assert float(re.search(r"plain cache, float32: .* \(KVarN holds ([\d.]+)x less\)", out).group(1)) > 1
+    assert (
+        float(re.search(r"plain cache, float32: .* \(KVarN holds ([\d.]+)x less\)", out).group(1))
+        > 1
+    )
 
 
-@pytest.mark.parametrize("dtype, name, nbytes", [(mx.float32, "float32", 4), (mx.float16, "float16", 2)])
+@pytest.mark.parametrize(
+    "dtype, name, nbytes", [(mx.float32, "float32", 4), (mx.float16, "float16", 2)]
+)
 def test_held_against_plain_cache_in_the_model_dtype(capsys, caches, tmp_path, dtype, name, nbytes):
     folder = tiny_model_folder(tmp_path / name, dtype=dtype)
-    out = stats(capsys, "--model", str(folder), "--prompt", WORDS, "--ignore-chat-template", "--kv-sink", "0")
+    out = stats(
+        capsys,
+        "--model",
+        str(folder),
+        "--prompt",
+        WORDS,
+        "--ignore-chat-template",
+        "--kv-sink",
+        "0",
+    )
     held = sum(c.nbytes for c in caches[0])
     tokens = caches[0][0].offset
     assert f"KV bytes held: {mib(held)} for {tokens} tokens" in out
@@ -78,8 +101,18 @@ def test_held_against_plain_cache_in_the_model_dtype(capsys, caches, tmp_path, d
 
 def test_compare_reports_bytes_per_token(capsys, tiny):
     # 41 tokens: the plain cache holds 256 tokens of room, KVarN its tokens only
-    out = stats(capsys, "--model", str(tiny), "--prompt", " ".join(["word"] * 41), "--ignore-chat-template",
-                "--compare")
+    out = stats(
+        capsys,
+        "--model",
+        str(tiny),
+        "--prompt",
+        " ".join(["word"] * 41),
+        "--ignore-chat-template",
+        "--compare",
+    )
     per = plain_bytes_per_token(4)
-    assert f"per token without preallocated room: plain {per} bytes, KVarN {per} bytes; plain/KVarN 1.00x" in out
+    assert (
+        f"per token without preallocated room: plain {per} bytes, KVarN {per} bytes; plain/KVarN "
+        "1.00x" in out
+    )
     assert re.search(r"held: plain [\d.]+ MiB, KVarN [\d.]+ MiB; plain/KVarN [\d.]+x", out)

@@ -32,11 +32,15 @@ def imports(name, path, known):
             else:
                 base = node.module
             # `from . import x` and `from .pkg import mod` name modules; `from .m import f` names m.
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
         else:
             continue
         for t in targets:
-            while t and t not in known:  # `import kvarn_mlx.x.y` depends on the deepest known module
+            while (
+                t and t not in known
+            ):  # `import kvarn_mlx.x.y` depends on the deepest known module
                 t = t.rpartition(".")[0]
             if t and t != name:
                 found.add(t)
@@ -56,7 +60,7 @@ def find_cycle(g):
         stack.append(n)
         for m in sorted(g[n]):
             if state.get(m) == "open":
-                return stack[stack.index(m):] + [m]
+                return stack[stack.index(m) :] + [m]
             if m not in state:
                 found = visit(m)
                 if found:
@@ -92,7 +96,12 @@ def test_the_walker_sees_imports_inside_functions_and_relative_forms(tmp_path):
 
 def test_no_import_cycle_in_kvarn_mlx():
     g = graph()
-    assert {"kvarn_mlx.cache", "kvarn_mlx.attention", "kvarn_mlx.kernels", "kvarn_mlx.integration"} <= set(g)
+    assert {
+        "kvarn_mlx.cache",
+        "kvarn_mlx.attention",
+        "kvarn_mlx.kernels",
+        "kvarn_mlx.integration",
+    } <= set(g)
     assert find_cycle(g) is None, " -> ".join(find_cycle(g))
 
 
@@ -100,17 +109,34 @@ def test_core_layers_point_down():
     g = graph()
     assert "kvarn_mlx.attention" not in g["kvarn_mlx.cache"]
     assert "kvarn_mlx.cache" not in g["kvarn_mlx.attention"]
-    for low in ("kvarn_mlx.config", "kvarn_mlx.quant", "kvarn_mlx.tiles", "kvarn_mlx.kernels", "kvarn_mlx.dispatch",
-                "kvarn_mlx.rotation", "kvarn_mlx.cache", "kvarn_mlx.attention"):
+    for low in (
+        "kvarn_mlx.config",
+        "kvarn_mlx.quant",
+        "kvarn_mlx.tiles",
+        "kvarn_mlx.kernels",
+        "kvarn_mlx.dispatch",
+        "kvarn_mlx.rotation",
+        "kvarn_mlx.cache",
+        "kvarn_mlx.attention",
+    ):
         assert "kvarn_mlx.integration" not in g[low] and "kvarn_mlx" not in g[low], low
 
 
 def test_the_package_never_imports_the_apps():
     for name, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
-            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
-            assert not any(m == "apps" or m.startswith("apps.") for m in mods), f"{name} imports {mods}"
+            mods = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else (
+                    [node.module or ""]
+                    if isinstance(node, ast.ImportFrom) and not node.level
+                    else []
+                )
+            )
+            assert not any(m == "apps" or m.startswith("apps.") for m in mods), (
+                f"{name} imports {mods}"
+            )
 
 
 def test_every_subpackage_ships_in_the_wheel():

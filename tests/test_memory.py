@@ -11,7 +11,9 @@ from kvarn_mlx.memory import cache_bytes, layer_bytes, saving_starts_at
 
 def kv(B, H, L, D, dtype, seed=0):
     k1, k2 = mx.random.split(mx.random.key(seed))
-    return mx.random.normal((B, H, L, D), key=k1).astype(dtype), mx.random.normal((B, H, L, D), key=k2).astype(dtype)
+    return mx.random.normal((B, H, L, D), key=k1).astype(dtype), mx.random.normal(
+        (B, H, L, D), key=k2
+    ).astype(dtype)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
@@ -21,8 +23,13 @@ def test_plain_kvcache(dtype):
     c.update_and_fetch(*kv(1, 3, 41, 64, dtype))
     b = layer_bytes(c)
     used = c.keys[..., :41, :].nbytes + c.values[..., :41, :].nbytes
-    assert b == {"held": c.nbytes, "unused": c.nbytes - used, "tokens": 41, "plain": used,
-                 "fp16": 2 * 3 * 41 * 64 * 2}
+    assert b == {
+        "held": c.nbytes,
+        "unused": c.nbytes - used,
+        "tokens": 41,
+        "plain": used,
+        "fp16": 2 * 3 * 41 * 64 * 2,
+    }
     assert b["held"] == 2 * 3 * 256 * 64 * dtype.size  # one 256-token step preallocated
 
 
@@ -57,7 +64,9 @@ def test_recurrent_state_counts_as_itself():
     a = ArraysCache(2)
     a[0] = mx.zeros((1, 4, 8), mx.float32)
     b = layer_bytes(a)
-    assert b["held"] == a.nbytes == 128 and b["plain"] == 128 and b["fp16"] == 64 and b["tokens"] == 0
+    assert (
+        b["held"] == a.nbytes == 128 and b["plain"] == 128 and b["fp16"] == 64 and b["tokens"] == 0
+    )
 
 
 def test_cache_bytes_sums_and_ratios():
@@ -75,12 +84,15 @@ def test_cache_bytes_sums_and_ratios():
     assert s["ratio_plain"] == s["plain"] / s["held"] and s["ratio_fp16"] == s["fp16"] / s["held"]
 
 
-@pytest.mark.parametrize("config, D, dtype", [
-    (get_preset("k4v2_g128"), 64, mx.float16),
-    (get_preset("k4v2_g128"), 64, mx.float32),
-    (get_preset("auto2", sink=0), 64, mx.float16),
-    (KVarNConfig(group_size=64, sink=16), 128, mx.float32),
-])
+@pytest.mark.parametrize(
+    "config, D, dtype",
+    [
+        (get_preset("k4v2_g128"), 64, mx.float16),
+        (get_preset("k4v2_g128"), 64, mx.float32),
+        (get_preset("auto2", sink=0), 64, mx.float16),
+        (KVarNConfig(group_size=64, sink=16), 128, mx.float32),
+    ],
+)
 def test_saving_starts_where_measured_caches_say(config, D, dtype):
     """Fed one token at a time, the cache holds at least the plain bytes just
     before the answer and fewer from it on (checked over two growth periods)."""
@@ -95,7 +107,7 @@ def test_saving_starts_where_measured_caches_say(config, D, dtype):
             mx.eval(c.held_arrays())
     plain = [2 * (i + 1) * D * dtype.size for i in range(len(held))]
     assert held[n0 - 2] >= plain[n0 - 2]
-    assert all(h < p for h, p in zip(held[n0 - 1:], plain[n0 - 1:]))
+    assert all(h < p for h, p in zip(held[n0 - 1 :], plain[n0 - 1 :]))
     assert n0 > config.sink_size  # nothing is saved before the first tile
 
 

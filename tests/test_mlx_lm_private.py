@@ -22,8 +22,10 @@ from kvarn_mlx.server import hooks
 
 ROOT = Path(__file__).resolve().parents[1]
 # module file: its list of "module:qualified.name" -> what it is for
-LISTS = {"kvarn_mlx/server/hooks.py": hooks.MLX_LM_PRIVATE,
-         "kvarn_mlx/mlx_lm_private.py": mlx_lm_private.MLX_LM_PRIVATE}
+LISTS = {
+    "kvarn_mlx/server/hooks.py": hooks.MLX_LM_PRIVATE,
+    "kvarn_mlx/mlx_lm_private.py": mlx_lm_private.MLX_LM_PRIVATE,
+}
 PRIVATE = {spec: use for names in LISTS.values() for spec, use in names.items()}
 # Names our own code defines that mlx-lm happens to use too (not mlx-lm's).
 OWN = {
@@ -42,10 +44,13 @@ def where(spec):
             obj = getattr(obj, part)
             continue
         # an instance attribute: assigned in the class's own code
-        if i == len(parts) - 1 and inspect.isclass(obj) and re.search(
-                rf"self\.{part}\s*[:=]", inspect.getsource(obj)):
+        if (
+            i == len(parts) - 1
+            and inspect.isclass(obj)
+            and re.search(rf"self\.{part}\s*[:=]", inspect.getsource(obj))
+        ):
             return None
-        return f"{module_name}.{'.'.join(parts[:i + 1])}"
+        return f"{module_name}.{'.'.join(parts[: i + 1])}"
     return None
 
 
@@ -55,8 +60,10 @@ def test_every_private_name_is_where_the_code_expects_it(spec):
 
     missing = where(spec)
     assert missing is None, (
-        f"mlx-lm {mlx_lm.__version__} has no {missing} ({spec}), which kvarn_mlx uses: {PRIVATE[spec]}. "
-        "Adapt that code to this mlx-lm, then move the mlx-lm pin in pyproject.toml")
+        f"mlx-lm {mlx_lm.__version__} has no {missing} ({spec}), which kvarn_mlx uses: "
+        f"{PRIVATE[spec]}. Adapt that code to this mlx-lm, then move the mlx-lm pin in "
+        "pyproject.toml"
+    )
 
 
 def _mlx_lm_modules(tree):
@@ -75,15 +82,21 @@ def _mlx_lm_modules(tree):
         except ImportError:
             continue
     for m in list(modules):
-        modules |= {importlib.import_module(v.__module__) for v in vars(m).values()
-                    if inspect.isclass(v) and v.__module__.startswith("mlx_lm")}
+        modules |= {
+            importlib.import_module(v.__module__)
+            for v in vars(m).values()
+            if inspect.isclass(v) and v.__module__.startswith("mlx_lm")
+        }
     return modules
 
 
 def _private_names(module):
     text = inspect.getsource(module)
-    return set(re.findall(r"self\.(_[a-z]\w*)\s*[:=]", text)) | set(re.findall(r"(?:def|class) (_\w+)", text)) \
+    return (
+        set(re.findall(r"self\.(_[a-z]\w*)\s*[:=]", text))
+        | set(re.findall(r"(?:def|class) (_\w+)", text))
         | set(re.findall(r"^(_\w+)\s*=", text, re.M))
+    )
 
 
 def test_private_names_are_used_only_where_they_are_listed():
@@ -95,7 +108,9 @@ def test_private_names_are_used_only_where_they_are_listed():
         text = path.read_text()
         if rel not in LISTS:
             for pattern in ('sys.modules["mlx_lm', "mlx_server._", "mlx_cache._", "._lrus"):
-                assert pattern not in text, f"{rel} uses {pattern!r}: private mlx-lm names go in server/hooks.py"
+                assert pattern not in text, (
+                    f"{rel} uses {pattern!r}: private mlx-lm names go in server/hooks.py"
+                )
         tree = ast.parse(text)
         theirs = set().union(set(), *(_private_names(m) for m in _mlx_lm_modules(tree)))
         names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
@@ -103,9 +118,13 @@ def test_private_names_are_used_only_where_they_are_listed():
         names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
         used = {n for n in names & theirs if not n.startswith("__") and (rel, n) not in OWN}
         if rel not in LISTS:
-            assert not used, f"{rel} uses mlx-lm's private {sorted(used)}: only server/hooks.py and " \
-                             "mlx_lm_private.py may (and list them)"
+            assert not used, (
+                f"{rel} uses mlx-lm's private {sorted(used)}: only server/hooks.py and "
+                "mlx_lm_private.py may (and list them)"
+            )
             continue
         listed = {spec.split(":")[1].rsplit(".", 1)[-1] for spec in LISTS[rel]}
-        assert used <= listed, f"{rel} uses mlx-lm's private {sorted(used - listed)} without listing them"
+        assert used <= listed, (
+            f"{rel} uses mlx-lm's private {sorted(used - listed)} without listing them"
+        )
         assert listed <= used, f"{rel} lists {sorted(listed - used)} but no longer uses them"

@@ -44,7 +44,9 @@ def test_never_overwrites_a_file_of_another_kind(tmp_path):
     weights = tmp_path / "weights.safetensors"
     mx.save_safetensors(str(weights), {"w": mx.ones((4,))})
     before = weights.read_bytes()
-    with pytest.raises(PromptCacheError, match="not a kvarn-mlx prompt-cache file; refusing to overwrite"):
+    with pytest.raises(
+        PromptCacheError, match="not a kvarn-mlx prompt-cache file; refusing to overwrite"
+    ):
         save(tmp_path / "weights", cache, _info(model))
     assert weights.read_bytes() == before
     # an explicit request overwrites it
@@ -134,7 +136,9 @@ def test_other_kv_heads_is_refused(tmp_path):
     model, cache = _filled("llama64")  # 2 kv heads
     other = tiny_model("llama128")  # 1 kv head
     path = save(tmp_path / "c", cache, _info(model))
-    with pytest.raises(PromptCacheError, match=r"tiny \(2 layers, 2 kv heads\).*tiny \(2 layers, 1 kv heads\)"):
+    with pytest.raises(
+        PromptCacheError, match=r"tiny \(2 layers, 2 kv heads\).*tiny \(2 layers, 1 kv heads\)"
+    ):
         load(path, _info(other))
     # same identity claimed (e.g. a hash collision or a hand-edited file): the shapes still catch it
     with pytest.raises(PromptCacheError, match="holds 2 kv heads per layer but tiny has 1"):
@@ -146,8 +150,14 @@ def test_damaged_file_is_one_clear_error(tmp_path, damage):
     model, cache = _filled()
     path = save(tmp_path / "c", cache, _info(model))
     data = path.read_bytes()
-    path.write_bytes({"truncate": data[: len(data) // 2], "garbage": b"not a safetensors file", "empty": b"",
-                      "header": data[:8] + b"[[" + data[10:]}[damage])
+    path.write_bytes(
+        {
+            "truncate": data[: len(data) // 2],
+            "garbage": b"not a safetensors file",
+            "empty": b"",
+            "header": data[:8] + b"[[" + data[10:],
+        }[damage]
+    )
     with pytest.raises(PromptCacheError, match="truncated|corrupt|not a safetensors"):
         load(path, _info(model))
 
@@ -156,4 +166,8 @@ def test_kv_settings_recorded(tmp_path):
     model, cache = _filled()
     _, meta = load(save(tmp_path / "c", cache, _info(model)), _info(model))
     assert '"class": "KVarNCache"' in meta["kv_settings"] and '"k_bits": 4' in meta["kv_settings"]
-    assert '"sink": 0' in meta["kv_settings"] and meta["model_layers"] == "2" and meta["model_kv_heads"] == "2"
+    assert (
+        '"sink": 0' in meta["kv_settings"]
+        and meta["model_layers"] == "2"
+        and meta["model_kv_heads"] == "2"
+    )

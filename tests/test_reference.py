@@ -1,4 +1,5 @@
-"""The numpy reference against docs/algorithm.md (rotation, normalization, rounding, packing, bytes)."""
+"""The numpy reference against docs/algorithm.md (rotation, normalization, rounding, packing,
+bytes)."""
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +23,7 @@ def heavy_tailed(rng, G, D):
 
 
 # 1. Rotation -----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("D", DIMS)
 def test_hadamard_orthonormal(D):
@@ -53,6 +55,7 @@ def test_hadamard_unsupported_dim_names_it(D):
 
 
 # 2. Variance normalization -----------------------------------------------------
+
 
 def _tiles(rng):
     yield "normal", rng.standard_normal((128, 128)).astype(np.float32)
@@ -86,6 +89,7 @@ def test_normalize_reduces_imbalance_on_heavy_tiles():
 
 # 3-4. Quantization error -------------------------------------------------------
 
+
 def _rms(a, b):
     return float(np.sqrt(np.mean((np.asarray(a, np.float64) - b) ** 2)))
 
@@ -106,7 +110,8 @@ def test_pipeline_beats_plain_rtn_on_heavy_tiles(D, bits):
     code, scale, lo = ref.rtn(x, bits)
     v_rtn = code * scale + lo
 
-    # Measured ratios are 0.19-0.66 over these widths and dims; 0.7 leaves room without hiding a regression to RTN.
+    # Measured ratios are 0.19-0.66 over these widths and dims; 0.7 leaves room without hiding
+    # a regression to RTN.
     assert _rms(k_hat, x) < 0.7 * _rms(k_rtn, x)
     assert _rms(v_hat, x) < 0.7 * _rms(v_rtn, x)
 
@@ -146,13 +151,16 @@ def test_balance_exponents_is_exact():
     a2, b2, col2 = ref.balance_exponents(a, b, col)
     code = rng.integers(0, 4, (64, 128))
     # Powers of two: bit-identical reconstruction in float32.
-    assert np.array_equal(ref.dequantize_tile(code, a, b, col), ref.dequantize_tile(code, a2, b2, col2))
+    assert np.array_equal(
+        ref.dequantize_tile(code, a, b, col), ref.dequantize_tile(code, a2, b2, col2)
+    )
     # ... and now both fit float16 storage.
     for s in (a2, b2, col2):
         assert np.isfinite(s.astype(np.float16)).all() and (np.abs(s[s != 0]) > 6.1e-5).all()
 
 
 # 7. Packing ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bits", BITS)
 def test_pack_unpack_round_trip(bits):
@@ -178,8 +186,13 @@ def test_pack_is_mlx_quantized_layout(bits, C):
     # ... and mx.quantize's own words are what we pack for its codes.
     w = mx.array(rng.standard_normal((8, C)).astype(np.float32))
     q, s, b = mx.quantize(w, group_size=32, bits=bits)
-    mlx_codes = np.rint((np.array(mx.dequantize(q, s, b, group_size=32, bits=bits)).reshape(8, -1, 32)
-                         - np.array(b)[..., None]) / np.array(s)[..., None]).reshape(8, C)
+    mlx_codes = np.rint(
+        (
+            np.array(mx.dequantize(q, s, b, group_size=32, bits=bits)).reshape(8, -1, 32)
+            - np.array(b)[..., None]
+        )
+        / np.array(s)[..., None]
+    ).reshape(8, C)
     assert np.array_equal(ref.pack(mlx_codes.astype(np.uint8), bits), np.array(q))
 
 
@@ -221,9 +234,15 @@ SPEC_BYTES = {
 def _tile_nbytes(k, v, kbits, vbits):
     """Bytes the stored arrays of one K tile and one V tile actually hold."""
     code, a, b, t = ref.quantize_key_tile(k, kbits)
-    k_arrays = [ref.pack(code, kbits), *(s.astype(np.float16) for s in ref.balance_exponents(a, b, t))]
+    k_arrays = [
+        ref.pack(code, kbits),
+        *(s.astype(np.float16) for s in ref.balance_exponents(a, b, t)),
+    ]
     code, a, b, c = ref.quantize_value_tile(v, vbits)
-    v_arrays = [ref.pack(code, vbits), *(s.astype(np.float16) for s in ref.balance_exponents(a, b, c))]
+    v_arrays = [
+        ref.pack(code, vbits),
+        *(s.astype(np.float16) for s in ref.balance_exponents(a, b, c)),
+    ]
     return sum(x.nbytes for x in k_arrays + v_arrays)
 
 
@@ -244,7 +263,9 @@ def test_bytes_table(D, G):
 
 # Every key width, value width and head dim once, keys and values at different widths;
 # the other combinations: -m slow.
-LAYOUT_GRID = grid(BITS, BITS, (64, 96, 128, 256), covering=diagonal(BITS, BITS[1:] + BITS[:1], (64, 96, 128, 256)))
+LAYOUT_GRID = grid(
+    BITS, BITS, (64, 96, 128, 256), covering=diagonal(BITS, BITS[1:] + BITS[:1], (64, 96, 128, 256))
+)
 
 
 @pytest.mark.parametrize("kbits,vbits,D", LAYOUT_GRID)

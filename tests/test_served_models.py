@@ -36,20 +36,33 @@ def hub(tmp_path, monkeypatch):
 def test_no_cache_folder_lists_the_served_model_only(hub):
     assert not hub.exists()
     listed = sm.model_list("smollm2-135m-instruct", 1000)
-    assert listed == {"object": "list", "data": [
-        {"id": "smollm2-135m-instruct", "object": "model", "created": 1000, "owned_by": "local"}]}
+    assert listed == {
+        "object": "list",
+        "data": [
+            {"id": "smollm2-135m-instruct", "object": "model", "created": 1000, "owned_by": "local"}
+        ],
+    }
     with pytest.raises(Refused) as e:
         sm.find_model("mlx-community/none", "smollm2-135m-instruct", 1000)
     assert e.value.status == 404 and e.value.code == "model_not_found"
 
 
 def test_the_cache_models_are_listed_and_loadable(hub):
-    hub_repo(hub, "mlx-community/Tiny-4bit", ["config.json", "tokenizer_config.json", "model.safetensors"])
-    hub_repo(hub, "someone/not-mlx", ["config.json", "pytorch_model.bin"])  # no safetensors, no tokenizer
+    hub_repo(
+        hub,
+        "mlx-community/Tiny-4bit",
+        ["config.json", "tokenizer_config.json", "model.safetensors"],
+    )
+    hub_repo(
+        hub, "someone/not-mlx", ["config.json", "pytorch_model.bin"]
+    )  # no safetensors, no tokenizer
     ids = [m["id"] for m in sm.model_list("served", 1000)["data"]]
     assert ids == ["served", "mlx-community/Tiny-4bit"]
     assert sm.find_model("mlx-community/Tiny-4bit", "served", 1000)["owned_by"] == "mlx-community"
-    assert sm.model_for("mlx-community/Tiny-4bit", "served", {"served", "default_model"}) == "mlx-community/Tiny-4bit"
+    assert (
+        sm.model_for("mlx-community/Tiny-4bit", "served", {"served", "default_model"})
+        == "mlx-community/Tiny-4bit"
+    )
     with pytest.raises(Refused):
         sm.model_for("mlx-community/Other", "served", {"served", "default_model"})
 
@@ -64,10 +77,14 @@ def test_names_of_the_served_model(hub, tmp_path):
     (folder / "config.json").write_text("{}")
     assert sm.served_id(str(folder)) == str(folder)
     assert sm.model_for(None, str(folder), sm.names(str(folder))) == "default_model"
-    assert sm.model_for(str(folder.resolve()), str(folder), sm.names(str(folder))) == "default_model"
+    assert (
+        sm.model_for(str(folder.resolve()), str(folder), sm.names(str(folder))) == "default_model"
+    )
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text("{}")
-    assert sm.model_for(str(other), str(folder), sm.names(str(folder))) == str(other)  # a folder: loadable
+    assert sm.model_for(str(other), str(folder), sm.names(str(folder))) == str(
+        other
+    )  # a folder: loadable
     with pytest.raises(Refused, match="serves"):
         sm.model_for("default", str(folder), sm.names(str(folder)))

@@ -26,7 +26,8 @@ def test_fit_tokens_holds_within_the_budget(model_dir):
         fit = budget.fit_tokens(kv, n, 10_000)
         assert 0 < fit < 10_000
         assert budget.fit_tokens(kv, n, fit) == fit and budget.fit_tokens(kv, n, 3) == 3
-        # A real cache fed the prompt in one chunk and then one token at a time holds at most the budget.
+        # A real cache fed the prompt in one chunk and then one token at a time holds at most
+        # the budget.
         cache, held = make_cache(model, get_preset(PRESET, sink=SINK)), 0
         x = mx.zeros((1, n), mx.int32)
         model(x, cache=cache)
@@ -38,7 +39,9 @@ def test_fit_tokens_holds_within_the_budget(model_dir):
         # The most tokens the planner's bound allows (it counts the worst order of steps, so
         # this order holds less): one more is cut.
         assert budget.fit_tokens(kv, n, fit + 1) == fit and held > max_bytes / 2
-    with pytest.raises(budget.BudgetExceeded, match="--max-kv-bytes: the 5000-token prompt does not fit"):
+    with pytest.raises(
+        budget.BudgetExceeded, match="--max-kv-bytes: the 5000-token prompt does not fit"
+    ):
         budget.fit_tokens(kv_budget(model, 150_000), 5000, 10)
 
 
@@ -48,14 +51,28 @@ def test_server_stops_a_reply_at_the_budget_and_refuses_a_prompt_that_cannot_fit
     kv = kv_budget(model, size)
     with server(model_dir, "--max-kv-bytes", "150000") as (url, _):
         c = client(url)
-        r = c.chat.completions.create(model="default_model", messages=[{"role": "user", "content": prompt(1, 60)}],
-                                      max_tokens=2000, temperature=0.0)
+        r = c.chat.completions.create(
+            model="default_model",
+            messages=[{"role": "user", "content": prompt(1, 60)}],
+            max_tokens=2000,
+            temperature=0.0,
+        )
         n, got = r.usage.prompt_tokens, r.usage.completion_tokens
         assert r.choices[0].finish_reason == "length"
         assert got == budget.fit_tokens(kv, n, 2000) < 2000
         held = get(url + f"/v1/kv_stats?request={r.id}")["request"]["held"]
         assert 0 < held <= size
-        status, body = request(url + "/v1/chat/completions", body=(
-            b'{"messages": [{"role": "user", "content": "' + prompt(2, 3000).encode() + b'"}], "max_tokens": 5}'),
-            headers={"Content-Type": "application/json"})
-        assert status >= 400 and "--max-kv-bytes: the" in body["error"] and "does not fit" in body["error"]
+        status, body = request(
+            url + "/v1/chat/completions",
+            body=(
+                b'{"messages": [{"role": "user", "content": "'
+                + prompt(2, 3000).encode()
+                + b'"}], "max_tokens": 5}'
+            ),
+            headers={"Content-Type": "application/json"},
+        )
+        assert (
+            status >= 400
+            and "--max-kv-bytes: the" in body["error"]
+            and "does not fit" in body["error"]
+        )

@@ -37,13 +37,36 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("clients")
     model = tiny_model_folder(tmp / "model")
     port = free_port()
-    env = {**os.environ, "HF_HOME": str(tmp / "no-hf-home"), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "HF_HOME": str(tmp / "no-hf-home"),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop("KVARN_API_KEY", None)
     log = tmp / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvarn_mlx.server", "--model", str(model), "--port",
-                                 str(port), "--kv-preset", "k4v2_g64", "--kv-sink", "16", "--max-tokens", "16"],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvarn_mlx.server",
+                "--model",
+                str(model),
+                "--port",
+                str(port),
+                "--kv-preset",
+                "k4v2_g64",
+                "--kv-sink",
+                "16",
+                "--max-tokens",
+                "16",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + TIMEOUT
@@ -89,11 +112,16 @@ def test_model_names_that_are_served(client, served):
         assert r.choices[0].message.content == "111" and r.model == name
     with pytest.raises(openai.NotFoundError) as e:  # not a folder, not in the (absent) hub cache
         client.chat.completions.create(model="default", messages=USER, max_tokens=3)
-    assert e.value.status_code == 404 and e.value.body["param"] == "model" and model_id in e.value.body["message"]
+    assert (
+        e.value.status_code == 404
+        and e.value.body["param"] == "model"
+        and model_id in e.value.body["message"]
+    )
     # no "model" at all: the served one (the openai client requires the field; a raw request)
     body = json.dumps({"messages": USER, "max_tokens": 2, "logit_bias": ONES}).encode()
-    req = urllib.request.Request(served[0] + "/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        served[0] + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
         reply = json.loads(r.read())
     assert reply["choices"][0]["message"]["content"] == "11" and reply["model"] == model_id
@@ -103,37 +131,64 @@ def test_chat_and_text_completions_whole_and_streamed(client, served):
     model_id = served[1]
     r = client.chat.completions.create(model=model_id, messages=USER, max_tokens=4, logit_bias=ONES)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
-    chunks = list(client.chat.completions.create(model=model_id, messages=USER, max_tokens=4, logit_bias=ONES,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=model_id,
+            messages=USER,
+            max_tokens=4,
+            logit_bias=ONES,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "1111"
     assert chunks[-1].usage.completion_tokens == 4
     t = client.completions.create(model=model_id, prompt="Once upon", max_tokens=5, logit_bias=ONES)
     assert t.choices[0].text == "11111" and t.usage.completion_tokens == 5
-    streamed = client.completions.create(model=model_id, prompt="Once upon", max_tokens=5, logit_bias=ONES,
-                                         stream=True)
+    streamed = client.completions.create(
+        model=model_id, prompt="Once upon", max_tokens=5, logit_bias=ONES, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == "11111"
 
 
 def test_stop_max_tokens_logprobs_and_tools(client, served):
     model_id = served[1]
-    r = client.chat.completions.create(model=model_id, messages=USER, max_tokens=12, logit_bias=ONES, stop=["111"])
+    r = client.chat.completions.create(
+        model=model_id, messages=USER, max_tokens=12, logit_bias=ONES, stop=["111"]
+    )
     # the third "1" completes the stop word: three tokens, the stop word left out of the text
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 3
     assert not r.choices[0].message.content
-    r = client.chat.completions.create(model=model_id, messages=USER, max_tokens=3, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model=model_id, messages=USER, max_tokens=3, logprobs=True, top_logprobs=2
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
-    tools = [{"type": "function", "function": {"name": "clock", "description": "the time now",
-                                               "parameters": {"type": "object", "properties": {}}}}]
-    r = client.chat.completions.create(model=model_id, messages=USER, max_tokens=3, tools=tools, logit_bias=ONES)
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "clock",
+                "description": "the time now",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+    ]
+    r = client.chat.completions.create(
+        model=model_id, messages=USER, max_tokens=3, tools=tools, logit_bias=ONES
+    )
     assert r.choices[0].message.content == "111"
 
 
 def test_bad_values_are_400s_naming_the_field(client, served):
     url, model_id, _ = served
-    for fields, name in [({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"),
-                         ({"extra_body": {"stream_options": "yes"}}, "stream_options"),
-                         ({"max_tokens": 0}, "max_tokens"), ({"extra_body": {"top_k": "5"}}, "top_k")]:
+    for fields, name in [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"extra_body": {"stream_options": "yes"}}, "stream_options"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"extra_body": {"top_k": "5"}}, "top_k"),
+    ]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=model_id, messages=USER, **fields)
         assert e.value.body["param"] == name and name in e.value.body["message"], e.value.body
@@ -141,7 +196,9 @@ def test_bad_values_are_400s_naming_the_field(client, served):
     for name, value in [("temperature", "NaN"), ("top_p", "Infinity"), ("min_p", "-Infinity")]:
         body = f'{{"messages": {json.dumps(USER)}, "{name}": {value}}}'.encode()
         for path in ("/v1/chat/completions", "/v1/completions"):
-            req = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(
+                url + path, data=body, headers={"Content-Type": "application/json"}
+            )
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(req, timeout=TIMEOUT)
             error = json.loads(e.value.read())["error"]
@@ -150,7 +207,9 @@ def test_bad_values_are_400s_naming_the_field(client, served):
 
 def test_a_client_that_leaves_mid_stream_stops_its_generation(client, served):
     url, model_id, _ = served
-    stream = client.chat.completions.create(model=model_id, messages=USER, max_tokens=100_000, stream=True)
+    stream = client.chat.completions.create(
+        model=model_id, messages=USER, max_tokens=100_000, stream=True
+    )
     for i, _ in enumerate(stream):
         if i == 3:
             break
@@ -171,14 +230,35 @@ def test_the_llm_command_line_tool(served, tmp_path):
     if not llm.exists():
         pytest.fail("the llm command is missing: pip install -e '.[test]' installs it")
     (tmp_path / "extra-openai-models.yaml").write_text(
-        f"- model_id: kvarn\n  model_name: {json.dumps(model_id)}\n  api_base: {json.dumps(url + '/v1')}\n")
+        f"- model_id: kvarn\n  model_name: {json.dumps(model_id)}\n  api_base: "
+        f"{json.dumps(url + '/v1')}\n"
+    )
     env = {**os.environ, "LLM_USER_PATH": str(tmp_path)}
     env.pop("OPENAI_API_KEY", None)
-    run = lambda *a: subprocess.run([str(llm), *a], cwd=tmp_path, env=env, capture_output=True, text=True,  # noqa: E731
-                                    timeout=TIMEOUT)
-    ask = ("-m", "kvarn", "Count with me.", "-o", "max_tokens", "4", "-o", "logit_bias", json.dumps(ONES))
+    run = lambda *a: subprocess.run(
+        [str(llm), *a],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,  # noqa: E731
+        timeout=TIMEOUT,
+    )
+    ask = (
+        "-m",
+        "kvarn",
+        "Count with me.",
+        "-o",
+        "max_tokens",
+        "4",
+        "-o",
+        "logit_bias",
+        json.dumps(ONES),
+    )
     streamed, whole = run(*ask), run(*ask, "--no-stream")
     assert (streamed.returncode, streamed.stdout.strip()) == (0, "1111"), streamed.stderr
     assert (whole.returncode, whole.stdout.strip()) == (0, "1111"), whole.stderr
     logged = json.loads(run("logs", "-n", "2", "--json").stdout)  # oldest first
-    assert [e["response_json"]["object"] for e in logged] == ["chat.completion.chunk", "chat.completion"]
+    assert [e["response_json"]["object"] for e in logged] == [
+        "chat.completion.chunk",
+        "chat.completion",
+    ]

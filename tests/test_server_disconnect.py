@@ -31,15 +31,28 @@ WHOLE_REPLY_POINTS = ("head", "body")
 def app(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("disconnect")
     model = tiny_model_folder(tmp / "tiny")
-    with chat_app(tmp / "saved", "--model", str(model), "--kv-preset", "k4v2_g64", "--kv-sink", "16",
-                  "--prompt-cache-size", "0") as url:
+    with chat_app(
+        tmp / "saved",
+        "--model",
+        str(model),
+        "--kv-preset",
+        "k4v2_g64",
+        "--kv-sink",
+        "16",
+        "--prompt-cache-size",
+        "0",
+    ) as url:
         yield url
 
 
 def request(port, stream):
-    body = json.dumps({"messages": user(STORY), "max_tokens": LONG, "temperature": 0, "stream": stream}).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    body = json.dumps(
+        {"messages": user(STORY), "max_tokens": LONG, "temperature": 0, "stream": stream}
+    ).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+        f"application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     return head, body
 
 
@@ -57,7 +70,9 @@ def client(port, plan, start, done):
             s.sendall(head + body[: plan["cut"] % len(body)])
         else:
             s.sendall(head + body)
-            if point == "events":  # read a few SSE data lines (the role chunk, then tokens), then leave
+            if (
+                point == "events"
+            ):  # read a few SSE data lines (the role chunk, then tokens), then leave
                 seen, buf = 0, b""
                 while seen < plan["events"] and (chunk := s.recv(4096)):
                     buf += chunk
@@ -78,11 +93,21 @@ def processed(url):
 def test_twenty_clients_hang_up_at_random_points(app):
     url, port = app, int(app.rsplit(":", 1)[1])
     rng = random.Random(12)
-    plans = [{"point": rng.choice(POINTS), "stream": rng.random() < 0.6, "reset": rng.random() < 0.3,
-              "cut": rng.randrange(1, 10**6), "events": rng.randint(1, 5)} for _ in range(CLIENTS)]
+    plans = [
+        {
+            "point": rng.choice(POINTS),
+            "stream": rng.random() < 0.6,
+            "reset": rng.random() < 0.3,
+            "cut": rng.randrange(1, 10**6),
+            "events": rng.randint(1, 5),
+        }
+        for _ in range(CLIENTS)
+    ]
     for p in plans:
         p["stream"] |= p["point"] not in WHOLE_REPLY_POINTS
-    reference = post(url + "/v1/chat/completions", {"messages": user("Hi"), "max_tokens": 3, "temperature": 0})
+    reference = post(
+        url + "/v1/chat/completions", {"messages": user("Hi"), "max_tokens": 3, "temperature": 0}
+    )
     assert reference.status_code == 200
     before = processed(url)
 
@@ -104,9 +129,16 @@ def test_twenty_clients_hang_up_at_random_points(app):
     stopped = time.monotonic() - began
     time.sleep(2)
     assert live(url)["sequences"] == 0
-    assert max(s["sequences"] for s in seen) > 0 or processed(url) > before  # generations had started
-    print(f"live sequences after the clients left: {[s['sequences'] for s in seen[:10]]}; none after {stopped:.1f} s")
+    assert (
+        max(s["sequences"] for s in seen) > 0 or processed(url) > before
+    )  # generations had started
+    print(
+        f"live sequences after the clients left: {[s['sequences'] for s in seen[:10]]}; none after "
+        f"{stopped:.1f} s"
+    )
 
-    again = post(url + "/v1/chat/completions", {"messages": user("Hi"), "max_tokens": 3, "temperature": 0})
+    again = post(
+        url + "/v1/chat/completions", {"messages": user("Hi"), "max_tokens": 3, "temperature": 0}
+    )
     assert again.status_code == 200
     assert again.json()["choices"] == reference.json()["choices"]

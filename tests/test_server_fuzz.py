@@ -16,7 +16,9 @@ import pytest
 
 from chat_server import port_of, post, serve, user
 
-hypothesis = pytest.importorskip("hypothesis", reason="the fuzz test needs the 'test' extra: pip install -e '.[test]'")
+hypothesis = pytest.importorskip(
+    "hypothesis", reason="the fuzz test needs the 'test' extra: pip install -e '.[test]'"
+)
 import httpx  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -25,24 +27,49 @@ EXAMPLES = int(os.environ.get("KVARN_FUZZ_EXAMPLES", 100))
 
 
 def nested(depth):
-    """A list nested `depth` levels deep, deeper than json.dumps can write: a marker encode() expands."""
+    """A list nested `depth` levels deep, deeper than json.dumps can write: a marker encode()
+    expands."""
     return f"<deep {depth}>"
 
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=12))
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=12)
+)
 anything = st.one_of(
-    st.recursive(scalars, lambda kids: st.lists(kids, max_size=3)
-                 | st.dictionaries(st.text(max_size=8), kids, max_size=3), max_leaves=8),
-    st.integers(20, 5000).map(nested))
+    st.recursive(
+        scalars,
+        lambda kids: (
+            st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=3)
+        ),
+        max_leaves=8,
+    ),
+    st.integers(20, 5000).map(nested),
+)
 text = st.text(min_size=1, max_size=30).filter(str.strip)
-message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", 1]),
-                                 "content": st.one_of(text, anything)})
-valid_messages = st.one_of(text.map(user), st.tuples(text, text).map(
-    lambda t: [{"role": "system", "content": t[0]}, {"role": "user", "content": t[1]}]))
+message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "assistant", "system", "tool", 1]),
+        "content": st.one_of(text, anything),
+    }
+)
+valid_messages = st.one_of(
+    text.map(user),
+    st.tuples(text, text).map(
+        lambda t: [{"role": "system", "content": t[0]}, {"role": "user", "content": t[1]}]
+    ),
+)
 # Valid lengths stay tiny: this is about input handling, not long generations.
-lengths = st.one_of(st.integers(1, 3), st.integers(max_value=0), st.integers(min_value=10**4), st.floats(),
-                    st.text(max_size=3), anything)
-numbers = st.one_of(st.floats(), st.integers(-3, 3), st.sampled_from([0.5, 1, 1.0]), st.text(max_size=3), anything)
+lengths = st.one_of(
+    st.integers(1, 3),
+    st.integers(max_value=0),
+    st.integers(min_value=10**4),
+    st.floats(),
+    st.text(max_size=3),
+    anything,
+)
+numbers = st.one_of(
+    st.floats(), st.integers(-3, 3), st.sampled_from([0.5, 1, 1.0]), st.text(max_size=3), anything
+)
 CHAT_FIELDS = {
     "model": st.sampled_from(["default_model", "nope", "", None, ["x"], 5, {"a": 1}]),
     "max_tokens": lengths,
@@ -57,7 +84,9 @@ CHAT_FIELDS = {
     "min_p": numbers,
     "logprobs": st.one_of(st.booleans(), anything),
     "top_logprobs": st.one_of(st.integers(-2, 12), anything),
-    "logit_bias": st.one_of(st.just({"5": 1}), st.dictionaries(st.text(max_size=3), anything, max_size=2), anything),
+    "logit_bias": st.one_of(
+        st.just({"5": 1}), st.dictionaries(st.text(max_size=3), anything, max_size=2), anything
+    ),
     "repetition_penalty": numbers,
     "tools": anything,
     "user": st.one_of(text, anything),
@@ -68,32 +97,60 @@ CHAT_FIELDS = {
 @st.composite
 def chat_body(draw):
     """Mostly a valid request with up to three fields of any kind."""
-    body = {"messages": draw(st.one_of(valid_messages, valid_messages, valid_messages, st.lists(message), anything))}
+    body = {
+        "messages": draw(
+            st.one_of(valid_messages, valid_messages, valid_messages, st.lists(message), anything)
+        )
+    }
     for field in draw(st.lists(st.sampled_from(sorted(CHAT_FIELDS)), max_size=3, unique=True)):
         body[field] = draw(CHAT_FIELDS[field])
     return body
 
 
-names = st.sampled_from(["a", "b-1", "foreign", "../x", "", "a/b", ".hidden", "x" * 70, 5, None, ["a"]])
+names = st.sampled_from(
+    ["a", "b-1", "foreign", "../x", "", "a/b", ".hidden", "x" * 70, 5, None, ["a"]]
+)
 transcripts = st.one_of(valid_messages, st.lists(message, max_size=3), anything)
-page_body = st.one_of(st.fixed_dictionaries({"name": names}),
-                      st.fixed_dictionaries({"name": names, "messages": transcripts}),
-                      st.fixed_dictionaries({}, optional={"messages": transcripts, "name": names, "other": anything}),
-                      anything)
+page_body = st.one_of(
+    st.fixed_dictionaries({"name": names}),
+    st.fixed_dictionaries({"name": names, "messages": transcripts}),
+    st.fixed_dictionaries({}, optional={"messages": transcripts, "name": names, "other": anything}),
+    anything,
+)
 endpoints = st.one_of(
-    st.tuples(st.just("POST"), st.sampled_from(["/v1/chat/completions", "/chat/completions", "/v1/completions"]),
-              chat_body()),
+    st.tuples(
+        st.just("POST"),
+        st.sampled_from(["/v1/chat/completions", "/chat/completions", "/v1/completions"]),
+        chat_body(),
+    ),
     st.tuples(st.just("POST"), st.sampled_from(["/api/save", "/api/load"]), page_body),
-    st.tuples(st.sampled_from(["GET", "HEAD", "PUT", "DELETE", "OPTIONS", "POST"]),
-              st.sampled_from(["/", "/health", "/api/chats", "/v1/kv_stats", "/v1/kv_stats?request=x",
-                               "/v1/chat/completions", "/api/../apps/chat/server.py", "/static/../../pyproject.toml",
-                               "/%2e%2e/%2e%2e/etc/passwd", "/api/chats/../x", "/v1/chat/completions/", "/nope"]),
-              anything),
+    st.tuples(
+        st.sampled_from(["GET", "HEAD", "PUT", "DELETE", "OPTIONS", "POST"]),
+        st.sampled_from(
+            [
+                "/",
+                "/health",
+                "/api/chats",
+                "/v1/kv_stats",
+                "/v1/kv_stats?request=x",
+                "/v1/chat/completions",
+                "/api/../apps/chat/server.py",
+                "/static/../../pyproject.toml",
+                "/%2e%2e/%2e%2e/etc/passwd",
+                "/api/chats/../x",
+                "/v1/chat/completions/",
+                "/nope",
+            ]
+        ),
+        anything,
+    ),
 )
 
 
 def encode(body, how):
-    text = json.dumps(body)  # NaN and Infinity come out as such: the server must refuse them by field
+    text = json.dumps(
+        body
+    )  # NaN and Infinity come out as such: the server must refuse them by field
     text = re.sub(r'"<deep (\d+)>"', lambda m: "[" * int(m[1]) + "]" * int(m[1]), text)
     if how == "json":
         return text.encode()
@@ -102,15 +159,25 @@ def encode(body, how):
     return b"\xff\xfe" + text.encode("utf-16-le")  # not UTF-8
 
 
-requests = st.fixed_dictionaries({
-    "endpoint": endpoints,
-    "encoding": st.sampled_from(["json", "json", "json", "truncated", "utf16"]),
-    "raw": st.one_of(st.none(), st.none(), st.binary(max_size=64)),
-    "content_type": st.sampled_from(["application/json", "application/json", "application/json; charset=utf-8",
-                                     "text/plain", None, "application/x-www-form-urlencoded"]),
-    "origin": st.sampled_from([None, None, "same", "http://evil.example", "null"]),
-    "host": st.sampled_from(["default", "default", "default", "localhost", "evil.example"]),
-})
+requests = st.fixed_dictionaries(
+    {
+        "endpoint": endpoints,
+        "encoding": st.sampled_from(["json", "json", "json", "truncated", "utf16"]),
+        "raw": st.one_of(st.none(), st.none(), st.binary(max_size=64)),
+        "content_type": st.sampled_from(
+            [
+                "application/json",
+                "application/json",
+                "application/json; charset=utf-8",
+                "text/plain",
+                None,
+                "application/x-www-form-urlencoded",
+            ]
+        ),
+        "origin": st.sampled_from([None, None, "same", "http://evil.example", "null"]),
+        "host": st.sampled_from(["default", "default", "default", "localhost", "evil.example"]),
+    }
+)
 
 
 def snapshot(folder):
@@ -129,8 +196,13 @@ def test_fuzz_http_api(tmp_path):
         assert post(url + "/api/save", {"name": "a", "messages": user("Hi")}).status_code == 200
         client = httpx.Client(timeout=120)
 
-        @settings(max_examples=EXAMPLES, deadline=None, database=None, print_blob=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            database=None,
+            print_blob=True,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(req=requests)
         def one_request(req):
             method, path, body = req["endpoint"]
@@ -141,21 +213,35 @@ def test_fuzz_http_api(tmp_path):
             if req["host"] != "default":
                 headers["Host"] = f"{req['host']}:{port}"
             if req["origin"]:
-                headers["Origin"] = f"http://127.0.0.1:{port}" if req["origin"] == "same" else req["origin"]
+                headers["Origin"] = (
+                    f"http://127.0.0.1:{port}" if req["origin"] == "same" else req["origin"]
+                )
             before, reached = snapshot(saved), len(stub.requests)
             send = {} if method in ("GET", "HEAD", "OPTIONS") else {"content": content}
             r = client.request(method, url + path, headers=headers, **send)
             unknown = method not in ("GET", "POST", "OPTIONS")  # http.server: 501 Not Implemented
-            assert r.status_code // 100 in (2, 4) or (unknown and r.status_code == 501), \
-                (method, path, r.status_code, r.text[:500])
-            allowed = (req["content_type"] or "").startswith("application/json") and \
-                req["origin"] in (None, "same") and req["host"] in ("default", "localhost")
+            assert r.status_code // 100 in (2, 4) or (unknown and r.status_code == 501), (
+                method,
+                path,
+                r.status_code,
+                r.text[:500],
+            )
+            allowed = (
+                (req["content_type"] or "").startswith("application/json")
+                and req["origin"] in (None, "same")
+                and req["host"] in ("default", "localhost")
+            )
             if len(stub.requests) > reached:  # reached the model: only through the rules
                 assert method == "POST" and "completions" in path and allowed, (method, path, req)
             after = snapshot(saved)
             changed = {n for n in before.keys() | after.keys() if before.get(n) != after.get(n)}
             if changed:  # only a valid save, and only the file it names
-                assert path == "/api/save" and r.status_code == 200, (method, path, r.status_code, changed)
+                assert path == "/api/save" and r.status_code == 200, (
+                    method,
+                    path,
+                    r.status_code,
+                    changed,
+                )
                 assert allowed and changed == {body["name"].removesuffix(".json") + ".json"}
             # Still answering.
             assert client.get(url + "/health").status_code == 200

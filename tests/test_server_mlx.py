@@ -25,7 +25,9 @@ openai = pytest.importorskip("openai")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 120  # seconds; only ever hit when something is broken
-WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly brave kings".split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly brave kings"
+).split()
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +46,22 @@ def server(model_dir, *flags):
     """The server on a free port; yields (base URL, the log file's path)."""
     port = free_port()
     log = open(os.path.join(str(model_dir.parent), f"server-{port}.log"), "w+")
-    cmd = [sys.executable, "-m", "kvarn_mlx.server", "--model", str(model_dir), "--port", str(port),
-           "--kv-preset", "k4v2_g64", "--kv-sink", "16", "--max-tokens", "16", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvarn_mlx.server",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--kv-preset",
+        "k4v2_g64",
+        "--kv-sink",
+        "16",
+        "--max-tokens",
+        "16",
+        *flags,
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -71,13 +87,17 @@ def server(model_dir, *flags):
 
 
 def get(url, headers=None):
-    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=TIMEOUT) as r:
+    with urllib.request.urlopen(
+        urllib.request.Request(url, headers=headers or {}), timeout=TIMEOUT
+    ) as r:
         return json.loads(r.read())
 
 
 def request(url, method="POST", body=b"{}", headers=None):
     """(status, parsed JSON body) of a raw request."""
-    req = urllib.request.Request(url, data=body if method == "POST" else None, method=method, headers=headers or {})
+    req = urllib.request.Request(
+        url, data=body if method == "POST" else None, method=method, headers=headers or {}
+    )
     try:
         with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
             return r.status, json.loads(r.read() or b"null")
@@ -96,8 +116,13 @@ def prompt(i, n_words):
 def stream_chat(c, messages, max_tokens=16):
     """The streamed reply's text and the finish reason."""
     text, finish = [], None
-    for chunk in c.chat.completions.create(model="default_model", messages=messages, max_tokens=max_tokens,
-                                           temperature=0.0, stream=True):
+    for chunk in c.chat.completions.create(
+        model="default_model",
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+    ):
         if chunk.choices:
             text.append(chunk.choices[0].delta.content or "")
             finish = chunk.choices[0].finish_reason or finish
@@ -143,15 +168,19 @@ def test_a_continued_conversation_prefills_only_its_new_tokens(model_dir):
             assert time.monotonic() < deadline, "the request's figures never appeared"
             time.sleep(0.05)
         unknown = get(url + "/v1/kv_stats?request=chatcmpl-unknown")
-        second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
-                          {"role": "user", "content": prompt(2, 30)}]
+        second = first + [
+            {"role": "assistant", "content": r1.choices[0].message.content},
+            {"role": "user", "content": prompt(2, 30)},
+        ]
         r2 = c.chat.completions.create(messages=second, **ask)
         after = get(url + "/v1/kv_stats")
     # ?request=: the figures of the cache this conversation left in the prompt cache
     one = before["request"]
     assert r1.usage.prompt_tokens < one["tokens"] <= r1.usage.prompt_tokens + 16
     assert one["tiles"] >= 2 and one["kvarn_layers"] == one["layers"] > 0
-    assert one["plain"] > one["held"] > 0 and one["ratio_plain"] == pytest.approx(one["plain"] / one["held"])
+    assert one["plain"] > one["held"] > 0 and one["ratio_plain"] == pytest.approx(
+        one["plain"] / one["held"]
+    )
     assert one["dtype"] == "float32" and one["saving_from"] > 16 and one["live"] is False
     assert unknown["request"] is None
     assert "request" not in after
@@ -171,24 +200,35 @@ def test_a_continued_conversation_prefills_only_its_new_tokens(model_dir):
 def test_the_guard(model_dir):
     with server(model_dir, "--allowed-hosts", "box.lan") as (url, _):
         chat = url + "/v1/chat/completions"
-        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+        body = json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        ).encode()
         json_type = {"Content-Type": "application/json"}
         status, err = request(url + "/v1/kv_stats", "GET", headers={"Host": "evil.example"})
         assert status == 400 and err["error"]["code"] == "invalid_host"
         assert request(url + "/v1/kv_stats", "GET", headers={"Host": "box.lan:8080"})[0] == 200
-        status, err = request(chat, body=body, headers={**json_type, "Origin": "http://evil.example"})
+        status, err = request(
+            chat, body=body, headers={**json_type, "Origin": "http://evil.example"}
+        )
         assert status == 403 and err["error"]["code"] == "forbidden_origin"
         status, err = request(chat, body=body, headers={"Content-Type": "text/plain"})
         assert status == 415 and "application/json" in err["error"]["message"]
-        status, reply = request(chat, body=body, headers={**json_type, "Origin": url})  # same origin
+        status, reply = request(
+            chat, body=body, headers={**json_type, "Origin": url}
+        )  # same origin
         assert status == 200 and reply["usage"]["completion_tokens"] == 1
         status, _ = request(chat, "OPTIONS", headers={"Host": "evil.example"})
         assert status == 400
 
 
 def test_flags():
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kvarn_mlx.server", *a], cwd=ROOT,
-                                    capture_output=True, text=True, timeout=TIMEOUT)
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "kvarn_mlx.server", *a],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     r = run("--kv-bits", "4")
     assert r.returncode == 2 and "--kv-preset" in r.stderr
     r = run("--kv-preset", "k3v3")
@@ -224,8 +264,12 @@ def test_request_figures_while_it_is_decoded(model_dir):
     """?request=ID while the reply streams: its own row of the batch (live), growing."""
     with server(model_dir) as (url, _):
         stream = client(url).chat.completions.create(
-            model="default_model", messages=[{"role": "user", "content": prompt(3, 150)}], max_tokens=5000,
-            temperature=0.0, stream=True)
+            model="default_model",
+            messages=[{"role": "user", "content": prompt(3, 150)}],
+            max_tokens=5000,
+            temperature=0.0,
+            stream=True,
+        )
         seen, deadline = [], time.monotonic() + TIMEOUT
         for chunk in stream:
             fig = get(url + f"/v1/kv_stats?request={chunk.id}")["request"]
@@ -235,5 +279,8 @@ def test_request_figures_while_it_is_decoded(model_dir):
                 break
         stream.close()  # the server stops this generation
     assert len({f["tokens"] for f in seen}) >= 2, seen
-    assert all(f["live"] and f["kvarn_layers"] == f["layers"] == 2 and f["plain"] > f["held"] > 0 for f in seen)
+    assert all(
+        f["live"] and f["kvarn_layers"] == f["layers"] == 2 and f["plain"] > f["held"] > 0
+        for f in seen
+    )
     assert seen[0]["tokens"] < seen[-1]["tokens"] and seen[-1]["tiles"] >= seen[0]["tiles"] >= 2

@@ -21,7 +21,10 @@ def test_served_caches_take_the_profile_widths(model_dir, tmp_path):
     want = profile_mix(model, str(path), "auto2")[0].summary()
     with server(model_dir, "--kv-profile", str(path), "--kv-bytes-like", "auto2") as (url, _):
         reply = client(url).chat.completions.create(
-            model="default_model", messages=[{"role": "user", "content": "hello " * 200}], max_tokens=4)
+            model="default_model",
+            messages=[{"role": "user", "content": "hello " * 200}],
+            max_tokens=4,
+        )
         assert reply.usage.completion_tokens >= 1
         stats = get(url + "/v1/kv_stats")
     assert stats["kv_profile"] == str(path)
@@ -30,8 +33,13 @@ def test_served_caches_take_the_profile_widths(model_dir, tmp_path):
 
 @pytest.mark.e2e
 def test_bad_profile_flags_stop_the_server(tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kvarn_mlx.server", *a], cwd=ROOT,
-                                    capture_output=True, text=True, timeout=TIMEOUT)
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "kvarn_mlx.server", *a],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     r = run("--kv-max-kl", "0.01")
     assert r.returncode == 2 and "pass --kv-profile" in r.stderr
     r = run("--kv-profile", str(tmp_path / "none.json"))

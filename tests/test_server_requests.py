@@ -48,7 +48,10 @@ INVALID = [  # (body, what the error names): refused with 400 before the request
     (body_with(logit_bias=[1]), "logit_bias"),
     (body_with(logit_bias={"a": 1}), "logit_bias"),
     (body_with(model=5), "model"),
-    (body_with(temperature=float("nan")), "temperature"),  # json.dumps writes NaN, json.loads reads it
+    (
+        body_with(temperature=float("nan")),
+        "temperature",
+    ),  # json.dumps writes NaN, json.loads reads it
     (body_with(temperature=float("inf")), "temperature"),
     (body_with(top_p=float("-inf")), "top_p"),
     (body_with(min_p=1.5), "min_p"),
@@ -62,7 +65,10 @@ INVALID = [  # (body, what the error names): refused with 400 before the request
     (body_with(seed=-1), "seed"),
     (body_with(seed=2**64), "seed"),
     (body_with(stream_options="yes"), "stream_options"),
-    (body_with(stream=True, stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
+    (
+        body_with(stream=True, stream_options={"include_usage": "yes"}),
+        "stream_options.include_usage",
+    ),
     (body_with(stop=5), "stop"),
     (body_with(stop=["a", 1]), "stop"),
     (body_with(logit_bias={"33": float("nan")}), "logit_bias"),
@@ -112,8 +118,10 @@ def stream_body(port, chunks, head):
 @pytest.mark.parametrize("path,limit", [(API, http_io.MAX_BODY), ("/api/save", chat.MAX_BODY)])
 def test_declared_length_over_limit_refused_at_once(app, path, limit):
     url, stub, _ = app
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {limit + 1}\r\n\r\n").encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+        f"application/json\r\nContent-Length: {limit + 1}\r\n\r\n"
+    ).encode()
     sent, response = stream_body(port_of(url), iter(()), head)
     assert response.startswith(b"HTTP/1.0 413"), response[:300]
     assert b"too large" in response and not stub.requests
@@ -125,8 +133,10 @@ def test_body_without_length_refused_at_once(app):
     piece = b"x" * 65536
     total = chat.MAX_BODY * 4  # never fully sent: the server must answer before the end
     for path in (API, "/api/save"):
-        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                "Transfer-Encoding: chunked\r\n\r\n").encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            "application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        ).encode()
         chunks = (b"%x\r\n" % len(piece) + piece + b"\r\n" for _ in range(total // len(piece)))
         sent, response = stream_body(port_of(url), chunks, head)
         assert response.startswith(b"HTTP/1.0 411"), response[:300]
@@ -158,9 +168,16 @@ def test_saved_chat_requests_checked(app):
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == field, (body, r.text)
     assert not saved.exists()
-    for body, status in (({"name": "nothing"}, 404), ({"name": "../x"}, 400), ({"name": "a", "x": 1}, 400),
-                         ("[1]", 400), ('{"name": ' + "[" * 60 + "]" * 60 + "}", 400)):
-        r = post(url + "/api/load", **({"content": body} if isinstance(body, str) else {"body": body}))
+    for body, status in (
+        ({"name": "nothing"}, 404),
+        ({"name": "../x"}, 400),
+        ({"name": "a", "x": 1}, 400),
+        ("[1]", 400),
+        ('{"name": ' + "[" * 60 + "]" * 60 + "}", 400),
+    ):
+        r = post(
+            url + "/api/load", **({"content": body} if isinstance(body, str) else {"body": body})
+        )
         assert r.status_code == status, (body, r.text)
 
 
@@ -172,7 +189,9 @@ def test_saved_chats_never_replace_other_files(app, monkeypatch):
     (saved / "link.json").symlink_to(foreign)
     for name in ("notes", "notes.json", "link"):
         r = post(url + "/api/save", {"name": name, "messages": CHAT})
-        assert r.status_code == 409 and "refusing to overwrite" in r.json()["error"]["message"], r.text
+        assert r.status_code == 409 and "refusing to overwrite" in r.json()["error"]["message"], (
+            r.text
+        )
     assert foreign.read_text() == '{"my": "notes"}' and (saved / "link.json").is_symlink()
     assert post(url + "/api/load", {"name": "notes"}).status_code == 400  # not a saved chat
     # Its own files are replaced; loading gives back what was saved.

@@ -18,8 +18,16 @@ from chat_server import port_of, post, serve, user
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
 
@@ -37,16 +45,30 @@ def test_host_must_name_this_server(server):
     url, stub, _ = server
     port = port_of(url)
     # A page on evil.example whose DNS is rebound to 127.0.0.1 sends its own name as Host.
-    for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1.evil.example:{port}", f"localhost.evil:{port}"):
+    for host in (
+        f"evil.example:{port}",
+        "evil.example",
+        f"127.0.0.1.evil.example:{port}",
+        f"localhost.evil:{port}",
+    ):
         for path in ("/", "/api/chats", "/v1/kv_stats"):
             r = get(url, path, {"Host": host})
             assert r.status_code == 400, (host, path, r.status_code)
-            assert "Host" in r.json()["error"]["message"] and "--allowed-hosts" in r.json()["error"]["message"]
+            assert (
+                "Host" in r.json()["error"]["message"]
+                and "--allowed-hosts" in r.json()["error"]["message"]
+            )
         r = post(url + "/v1/chat/completions", {"messages": user("hi")}, headers={"Host": host})
         assert r.status_code == 400
     assert not stub.requests
-    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"LocalHost:{port}", f"[::1]:{port}",
-                 f"app.localhost:{port}", "localhost"):
+    for host in (
+        f"127.0.0.1:{port}",
+        f"localhost:{port}",
+        f"LocalHost:{port}",
+        f"[::1]:{port}",
+        f"app.localhost:{port}",
+        "localhost",
+    ):
         assert get(url, "/api/chats", {"Host": host}).status_code == 200, host
 
 
@@ -61,51 +83,92 @@ def test_allowed_hosts_configured(tmp_path):
 def test_json_endpoints_require_json(server):
     # A text/plain POST needs no CORS preflight: any page could send it.
     url, stub, saved = server
-    for path, body in (("/api/save", '{"name": "pwned", "messages": [{"role": "user", "content": "x"}]}'),
-                       ("/api/load", '{"name": "x"}'),
-                       ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}]}')):
-        for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+    for path, body in (
+        ("/api/save", '{"name": "pwned", "messages": [{"role": "user", "content": "x"}]}'),
+        ("/api/load", '{"name": "x"}'),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}]}'),
+    ):
+        for ctype in (
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data; boundary=x",
+            None,
+        ):
             headers = {"Content-Type": ctype} if ctype else {}
             r = httpx.post(url + path, content=body, headers=headers, timeout=60)
             assert r.status_code == 415, (path, ctype, r.status_code)
             assert "application/json" in r.json()["error"]["message"]
     assert not saved.exists() and not stub.requests
-    r = post(url + "/api/save", {"name": "ok", "messages": CHAT},
-             headers={"Content-Type": "application/json; charset=utf-8"})
+    r = post(
+        url + "/api/save",
+        {"name": "ok", "messages": CHAT},
+        headers={"Content-Type": "application/json; charset=utf-8"},
+    )
     assert r.status_code == 200, r.text
 
 
 def test_cross_origin_requests_refused(server, tmp_path):
     url, stub, saved = server
     port = port_of(url)
-    for origin in ("http://evil.example", f"http://evil.example:{port}", "null", f"https://127.0.0.1:{port}",
-                   f"http://127.0.0.1:{port + 1}"):
+    for origin in (
+        "http://evil.example",
+        f"http://evil.example:{port}",
+        "null",
+        f"https://127.0.0.1:{port}",
+        f"http://127.0.0.1:{port + 1}",
+    ):
         r = post(url + "/api/save", {"name": "x", "messages": CHAT}, headers={"Origin": origin})
         assert r.status_code == 403, (origin, r.status_code)
         assert "Origin" in r.json()["error"]["message"]
-        r = post(url + "/v1/chat/completions", {"messages": user("hi"), "max_tokens": 1}, headers={"Origin": origin})
+        r = post(
+            url + "/v1/chat/completions",
+            {"messages": user("hi"), "max_tokens": 1},
+            headers={"Origin": origin},
+        )
         assert r.status_code == 403
     assert not saved.exists() and not stub.requests
     # The page itself: same origin.
     for origin in (f"http://127.0.0.1:{port}", f"http://localhost:{port}"):
         host = origin.split("//")[1]
-        r = post(url + "/api/save", {"name": "x", "messages": CHAT}, headers={"Origin": origin, "Host": host})
+        r = post(
+            url + "/api/save",
+            {"name": "x", "messages": CHAT},
+            headers={"Origin": origin, "Host": host},
+        )
         assert r.status_code == 200, (origin, r.text)
     # A configured origin (another local front end).
     with serve(tmp_path / "other", allowed_origins=["http://localhost:5173"]) as (u, _):
         body = {"name": "x", "messages": CHAT}
-        assert post(u + "/api/save", body, headers={"Origin": "http://localhost:5173"}).status_code == 200
-        assert post(u + "/api/save", body, headers={"Origin": "http://localhost:5174"}).status_code == 403
+        assert (
+            post(u + "/api/save", body, headers={"Origin": "http://localhost:5173"}).status_code
+            == 200
+        )
+        assert (
+            post(u + "/api/save", body, headers={"Origin": "http://localhost:5174"}).status_code
+            == 403
+        )
 
 
 def test_no_cors_grant_for_other_pages(server):
     """No Access-Control-Allow-Origin for another page: browsers keep it from reading any answer."""
     url, _, _ = server
     evil = {"Origin": "http://evil.example"}
-    pre = httpx.options(url + "/v1/chat/completions", timeout=60, headers={
-        **evil, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
-    responses = [pre, get(url, "/v1/kv_stats", evil), get(url, "/api/chats", evil), get(url, "/", evil),
-                 post(url + "/v1/chat/completions", {"messages": user("hi"), "max_tokens": 1}, headers=evil)]
+    pre = httpx.options(
+        url + "/v1/chat/completions",
+        timeout=60,
+        headers={
+            **evil,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type",
+        },
+    )
+    responses = [
+        pre,
+        get(url, "/v1/kv_stats", evil),
+        get(url, "/api/chats", evil),
+        get(url, "/", evil),
+        post(url + "/v1/chat/completions", {"messages": user("hi"), "max_tokens": 1}, headers=evil),
+    ]
     for r in responses:
         assert "access-control-allow-origin" not in {h.lower() for h in r.headers}, r.headers
 
@@ -121,24 +184,32 @@ def test_api_key_protects_every_endpoint(tmp_path):
                 assert r.headers["www-authenticate"].startswith("Bearer")
         for path in ("/api/chats", "/v1/kv_stats", "/health"):
             assert get(u, path, good).status_code == 200, path
-        for path, body in (("/api/save", {"name": "k", "messages": CHAT}), ("/api/load", {"name": "k"}),
-                           ("/v1/chat/completions", {"messages": user("hi")})):
+        for path, body in (
+            ("/api/save", {"name": "k", "messages": CHAT}),
+            ("/api/load", {"name": "k"}),
+            ("/v1/chat/completions", {"messages": user("hi")}),
+        ):
             assert post(u + path, body).status_code == 401, path
             assert post(u + path, body, headers=bad).status_code == 401, path
         assert not (tmp_path / "saved").exists() and not stub.requests  # all refused
-        assert post(u + "/api/save", {"name": "k", "messages": CHAT}, headers=good).status_code == 200
+        assert (
+            post(u + "/api/save", {"name": "k", "messages": CHAT}, headers=good).status_code == 200
+        )
         # The page is static (no conversation in it); it asks for the key.
         page = get(u, "/")
         assert page.status_code == 200 and 'id="apikey"' in page.text
-        # OpenAI clients send the key as a Bearer token: accepted, the request reaches the generator.
+        # OpenAI clients send the key as a Bearer token: accepted, the request reaches the
+        # generator.
         openai = pytest.importorskip("openai")
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=u + "/v1", api_key="wrong", max_retries=0).chat.completions.create(
-                model="default_model", messages=user("hi"))
+            openai.OpenAI(
+                base_url=u + "/v1", api_key="wrong", max_retries=0
+            ).chat.completions.create(model="default_model", messages=user("hi"))
         assert not stub.requests
         with pytest.raises(openai.NotFoundError):  # mlx-lm answers a failed generation with 404
             openai.OpenAI(base_url=u + "/v1", api_key=key, max_retries=0).chat.completions.create(
-                model="default_model", messages=user("hi"))
+                model="default_model", messages=user("hi")
+            )
         assert len(stub.requests) == 1
 
 
@@ -163,9 +234,23 @@ def run_main(*args):
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
         taken.listen()
-        return subprocess.run([sys.executable, "-m", "apps.chat", "--model", "/nonexistent/model", "--port",
-                               str(taken.getsockname()[1]), *args], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=300)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "apps.chat",
+                "--model",
+                "/nonexistent/model",
+                "--port",
+                str(taken.getsockname()[1]),
+                *args,
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
 
 def test_network_bind_warns():
@@ -182,13 +267,19 @@ def chromium_page(test):
     """Run test(page, url) in headless Chromium against `url`; skips without chromium/playwright."""
     if CHROMIUM is None:
         pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no `playwright install`)")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="pip install playwright (no `playwright install`)"
+    )
 
     def run(url):
-        preload = os.environ.pop("LD_PRELOAD", None)  # see tests/test_app.py: OpenBLAS breaks chromium
+        preload = os.environ.pop(
+            "LD_PRELOAD", None
+        )  # see tests/test_app.py: OpenBLAS breaks chromium
         try:
             with sync_api.sync_playwright() as p:
-                browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000)
+                browser = p.chromium.launch(
+                    executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000
+                )
                 try:
                     page = browser.new_page()
                     page.set_default_timeout(150_000)
@@ -202,16 +293,25 @@ def chromium_page(test):
     return run
 
 
-HOSTILE = ['<img src=x onerror="window.pwned=1">', "<script>window.pwned=2</script>",
-           '<svg onload="window.pwned=3"></svg>', "[link](javascript:window.pwned=4)",
-           '**<b onclick="window.pwned=5">bold</b>**', "```\n<img src=y onerror=window.pwned=6>\n```",
-           "<think><img src=z onerror=window.pwned=7></think>"]
+HOSTILE = [
+    '<img src=x onerror="window.pwned=1">',
+    "<script>window.pwned=2</script>",
+    '<svg onload="window.pwned=3"></svg>',
+    "[link](javascript:window.pwned=4)",
+    '**<b onclick="window.pwned=5">bold</b>**',
+    "```\n<img src=y onerror=window.pwned=6>\n```",
+    "<think><img src=z onerror=window.pwned=7></think>",
+]
 
 
 def test_page_shows_html_as_text(server):
-    """Markup in a conversation (the user's or the model's, here from a saved chat) is shown, never run."""
+    """Markup in a conversation (the user's or the model's, here from a saved chat) is shown,
+    never run."""
     url, _, _ = server
-    chat = [{"role": "user", "content": "\n".join(HOSTILE)}, {"role": "assistant", "content": "\n\n".join(HOSTILE)}]
+    chat = [
+        {"role": "user", "content": "\n".join(HOSTILE)},
+        {"role": "assistant", "content": "\n\n".join(HOSTILE)},
+    ]
     assert post(url + "/api/save", {"name": "hostile", "messages": chat}).status_code == 200
 
     def check(page, u):
@@ -220,10 +320,15 @@ def test_page_shows_html_as_text(server):
         page.select_option("#resume", "hostile")
         page.wait_for_selector(".msg.assistant")
         assert page.evaluate("window.pwned") is None
-        assert not page.query_selector_all("#messages img, #messages script, #messages svg, #messages b, "
-                                           "#messages a[href^='javascript']")
+        assert not page.query_selector_all(
+            "#messages img, #messages script, #messages svg, #messages b, #messages "
+            "a[href^='javascript']"
+        )
         shown = page.inner_text("#messages")
-        assert '<img src=x onerror="window.pwned=1">' in shown and "<script>window.pwned=2</script>" in shown
+        assert (
+            '<img src=x onerror="window.pwned=1">' in shown
+            and "<script>window.pwned=2</script>" in shown
+        )
 
     chromium_page(check)(url)
 
@@ -237,17 +342,25 @@ def test_page_with_api_key(tmp_path):
         page.wait_for_selector("#apikey", state="visible")
         page.fill("#apikey", "wrong")
         page.press("#apikey", "Enter")
-        page.wait_for_function("document.getElementById('status').textContent.includes('API key was refused')")
+        page.wait_for_function(
+            "document.getElementById('status').textContent.includes('API key was refused')"
+        )
         page.fill("#apikey", key)
         page.press("#apikey", "Enter")
         page.wait_for_selector("body[data-ready='1']")
-        assert page.inner_text("#preset") == "k4v2_g128" and page.inner_text("#model") == "stub-model"
+        assert (
+            page.inner_text("#preset") == "k4v2_g128" and page.inner_text("#model") == "stub-model"
+        )
         page.select_option("#resume", "keyed")
         page.wait_for_selector(".msg.assistant[data-idx='1']")
         assert not page.query_selector_all(".msg.error")
         assert page.is_hidden("#apikey")
 
     with serve(tmp_path / "saved", api_key=key) as (u, _):
-        r = post(u + "/api/save", {"name": "keyed", "messages": CHAT}, headers={"Authorization": f"Bearer {key}"})
+        r = post(
+            u + "/api/save",
+            {"name": "keyed", "messages": CHAT},
+            headers={"Authorization": f"Bearer {key}"},
+        )
         assert r.status_code == 200
         chromium_page(check)(u)

@@ -24,10 +24,17 @@ def folders(monkeypatch):
 def test_embedded_names_become_folders(folders, tmp_path):
     key = loader.DEFAULT.key
     assert cli.resolve_model(["--port", "1"]) == ["--port", "1", "--model", folders(key)]
-    assert cli.resolve_model(["--model", f"embedded:{key}", "--port", "1"]) == ["--model", folders(key),
-                                                                                      "--port", "1"]
+    assert cli.resolve_model(["--model", f"embedded:{key}", "--port", "1"]) == [
+        "--model",
+        folders(key),
+        "--port",
+        "1",
+    ]
     assert cli.resolve_model([f"--model={key}"]) == ["--model", folders(key)]
-    for spec in (str(tmp_path), "mlx-community/Qwen3-4B-4bit"):  # a folder, a hub id: mlx-lm's to load
+    for spec in (
+        str(tmp_path),
+        "mlx-community/Qwen3-4B-4bit",
+    ):  # a folder, a hub id: mlx-lm's to load
         assert cli.resolve_model(["--model", spec]) == ["--model", spec]
 
 
@@ -38,8 +45,13 @@ def test_unknown_embedded_name_is_an_error(folders):
 
 def test_a_model_that_cannot_load_stops_the_server(tmp_path):
     missing = tmp_path / "no-such-model"
-    proc = subprocess.run([sys.executable, "-m", "kvarn_mlx.server", "--model", str(missing), "--port", "0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvarn_mlx.server", "--model", str(missing), "--port", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 1
     assert "generation thread stopped" in proc.stderr and str(missing) in proc.stderr

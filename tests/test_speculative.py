@@ -42,11 +42,19 @@ def test_rejected_drafts_across_a_tile_boundary_never_enter_a_tile(accepted):
     spec, alone = KVarNCache(CFG), KVarNCache(CFG)
     for c in (spec, alone):
         c.update_and_fetch(k[:, :, :prefix], v[:, :, :prefix])
-    drafts_k = mx.concatenate([k[:, :, prefix : prefix + 1 + accepted], 50 + k[:, :, prefix + 1 + accepted : prefix + 4]], 2)
-    drafts_v = mx.concatenate([v[:, :, prefix : prefix + 1 + accepted], 50 + v[:, :, prefix + 1 + accepted : prefix + 4]], 2)
+    drafts_k = mx.concatenate(
+        [k[:, :, prefix : prefix + 1 + accepted], 50 + k[:, :, prefix + 1 + accepted : prefix + 4]],
+        2,
+    )
+    drafts_v = mx.concatenate(
+        [v[:, :, prefix : prefix + 1 + accepted], 50 + v[:, :, prefix + 1 + accepted : prefix + 4]],
+        2,
+    )
     spec.update_and_fetch(drafts_k, drafts_v)
     assert spec.trim(3 - accepted) == 3 - accepted
-    alone.update_and_fetch(k[:, :, prefix : prefix + 1 + accepted], v[:, :, prefix : prefix + 1 + accepted])
+    alone.update_and_fetch(
+        k[:, :, prefix : prefix + 1 + accepted], v[:, :, prefix : prefix + 1 + accepted]
+    )
     assert_same_state(spec, alone)
     # and the next steps (one token, then a verification) go on identically
     n = prefix + 1 + accepted
@@ -128,10 +136,15 @@ def greedy(model, tok, prompt, n, cache, **kwargs):
     return out, gaps
 
 
-@pytest.mark.parametrize("preset,prompt_len,draft_seed", [
-    (CFG, 40, 0), (CFG, 100, 1),  # tiles at 80, 144, 208 while decoding
-    ("auto4v2", 40, 0), ("auto4v2", 90, 1),  # sink 16: the first tile (and its key rotation) at 144
-])
+@pytest.mark.parametrize(
+    "preset,prompt_len,draft_seed",
+    [
+        (CFG, 40, 0),
+        (CFG, 100, 1),  # tiles at 80, 144, 208 while decoding
+        ("auto4v2", 40, 0),
+        ("auto4v2", 90, 1),  # sink 16: the first tile (and its key rotation) at 144
+    ],
+)
 def test_speculative_decoding_gives_the_greedy_tokens(preset, prompt_len, draft_seed, monkeypatch):
     # mlx-lm's speculative decoding with a draft model (seed 0: the same weights,
     # most drafts accepted; seed 1: another model, most rejected) over a KVarN cache
@@ -151,12 +164,24 @@ def test_speculative_decoding_gives_the_greedy_tokens(preset, prompt_len, draft_
     splits = []
     split_step = attention._split_step
     monkeypatch.setattr(attention, "_split_step", lambda *a: splits.append(1) or split_step(*a))
-    got = [g.token for g in stream_generate(model, tok, prompt, max_tokens=120, draft_model=draft,
-                                            num_draft_tokens=3, prompt_cache=make() + make_prompt_cache(draft))]
+    got = [
+        g.token
+        for g in stream_generate(
+            model,
+            tok,
+            prompt,
+            max_tokens=120,
+            draft_model=draft,
+            num_draft_tokens=3,
+            prompt_cache=make() + make_prompt_cache(draft),
+        )
+    ]
     assert splits, "no verification step completed a tile"
     for i, (a, b) in enumerate(zip(want, got)):
         if a != b:
-            assert gaps[i] < 1e-3, f"token {i}: {a} greedy, {b} speculative, top-two gap {gaps[i]:.2e}"
+            assert gaps[i] < 1e-3, (
+                f"token {i}: {a} greedy, {b} speculative, top-two gap {gaps[i]:.2e}"
+            )
             return  # a near tie: the tokens after it are not comparable
     assert got == want
 
@@ -166,9 +191,24 @@ def test_generate_with_a_draft_model(tmp_path, capsys, monkeypatch):
     from kvarn_mlx import attention, generate
     from model_folder import tiny_model_folder
 
-    main, draft = tiny_model_folder(tmp_path / "main"), tiny_model_folder(tmp_path / "draft", seed=1)
-    args = ["--model", str(main), "--prompt", "the quick brown fox " * 12, "--max-tokens", "90",
-            "--kv-preset", "k4v2_g64", "--kv-sink", "16", "--verbose", "false"]
+    main, draft = (
+        tiny_model_folder(tmp_path / "main"),
+        tiny_model_folder(tmp_path / "draft", seed=1),
+    )
+    args = [
+        "--model",
+        str(main),
+        "--prompt",
+        "the quick brown fox " * 12,
+        "--max-tokens",
+        "90",
+        "--kv-preset",
+        "k4v2_g64",
+        "--kv-sink",
+        "16",
+        "--verbose",
+        "false",
+    ]
     generate.main(args)
     want = capsys.readouterr().out
     splits = []

@@ -24,13 +24,17 @@ ABSOLUTE = re.compile(r"^/(usr|etc|opt|home|work|var|srv|mnt|Users|Library|Volum
 def tracked_files():
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("not a git checkout: the tracked files are unknown")
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
     return [p for p in out.decode().split("\0") if p]
 
 
 def test_no_reference_outside_the_repository():
     files = tracked_files()
-    assert "tests/metal_emulator.py" in files and "README.md" in files  # the scan sees the real tree
+    assert (
+        "tests/metal_emulator.py" in files and "README.md" in files
+    )  # the scan sees the real tree
     hits = []
     for path in files:
         try:
@@ -51,7 +55,11 @@ def test_tests_read_no_absolute_paths():
     hits = []
     for path in sorted((ROOT / "tests").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and ABSOLUTE.match(node.value)
-                    and node.value not in ALLOWED_ABSOLUTE):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and ABSOLUTE.match(node.value)
+                and node.value not in ALLOWED_ABSOLUTE
+            ):
                 hits.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
     assert not hits, "tests naming paths outside the repository:\n" + "\n".join(hits)

@@ -15,10 +15,18 @@ def test_auto_key_rotation_at_every_width(bits):
     auto = get_preset(f"k{bits}v{bits}_g64_auto", sink=64)
     assert auto.rotate_keys == "auto" and auto.k_bits == bits
     model, toks = outlier_model("qwen2_bias"), tokens(640)
-    kl = {name: mean_kl(model, toks, cfg)
-          for name, cfg in {"kvarn": replace(auto, rotate_keys=True), "plain_keys": replace(auto, rotate_keys=False),
-                            "auto": auto}.items()}
+    kl = {
+        name: mean_kl(model, toks, cfg)
+        for name, cfg in {
+            "kvarn": replace(auto, rotate_keys=True),
+            "plain_keys": replace(auto, rotate_keys=False),
+            "auto": auto,
+        }.items()
+    }
     summary = rotated_heads(kl["auto"][1])
     assert all(s is not None for s in summary), summary  # every layer decided
-    print(f"\nk{bits}v{bits}: mean KL {({k: f'{v[0]:.2e}' for k, v in kl.items()})}, rotated heads {summary}")
+    print(
+        f"\nk{bits}v{bits}: mean KL { ({k: f'{v[0]:.2e}' for k, v in kl.items()}) }, rotated heads "
+        f"{summary}"
+    )
     assert kl["auto"][0] <= 1.10 * min(kl["kvarn"][0], kl["plain_keys"][0])
