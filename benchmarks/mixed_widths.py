@@ -51,7 +51,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
     p.add_argument("--profile", required=True)
-    p.add_argument("--fidelity", nargs="+", required=True, help="fidelity JSON files (python -m kvarn_mlx.eval)")
+    p.add_argument(
+        "--fidelity",
+        nargs="+",
+        required=True,
+        help="fidelity JSON files (python -m kvarn_mlx.eval)",
+    )
     p.add_argument("--tag", required=True)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
@@ -70,35 +75,67 @@ def main():
     out = []
     for method, by_ctx in rows.items():
         kl_pred, tile_bpt, m = predicted(model, prof, method)
-        entry = {"method": method, "label": label(method), "predicted_kl": kl_pred,
-                 "tile_bytes_per_token": tile_bpt, "widths": m.summary()["widths"] if m else None,
-                 "contexts": {c: {"kl_mean": r["kl_mean"], "kl_p99": r["kl_p99"], "top1_agree": r["top1_agree"],
-                                  "bytes": r["bytes"], "growing_bytes": r.get("growing_bytes") or r["bytes"],
-                                  "fp16_bytes": r["fp16_bytes"]} for c, r in by_ctx.items()}}
+        entry = {
+            "method": method,
+            "label": label(method),
+            "predicted_kl": kl_pred,
+            "tile_bytes_per_token": tile_bpt,
+            "widths": m.summary()["widths"] if m else None,
+            "contexts": {
+                c: {
+                    "kl_mean": r["kl_mean"],
+                    "kl_p99": r["kl_p99"],
+                    "top1_agree": r["top1_agree"],
+                    "bytes": r["bytes"],
+                    "growing_bytes": r.get("growing_bytes") or r["bytes"],
+                    "fp16_bytes": r["fp16_bytes"],
+                }
+                for c, r in by_ctx.items()
+            },
+        }
         out.append(entry)
     t = prof["text"]
-    md = [f"# Per-layer widths from a calibration profile ({args.tag})\n",
-          f"Model: {prof['model'].get('model')}. Profile: `{args.profile}`, calibrated on {t['tokens']} tokens of "
-          f"`{t['source']}` from character {t['start_char']} (KL over positions {t['measured_positions'][0]}.."
-          f"{t['measured_positions'][1]}), in {prof['seconds']:.0f} s on this machine ({prof['mode']}).\n",
-          "Measured: teacher-forced mean KL to the plain cache over positions 128..L-2 of the *start* of the "
-          "same text (not used for calibration), 256-token chunks, packed attention; bytes held at L tokens "
-          "(measured arrays). Predicted: the sum over layers of the profile's KL at each layer's key width and "
-          "value width (the mix's own choice; for a preset, its widths everywhere).\n",
-          "Commands:\n", "```sh", f"python -m kvarn_mlx.calibrate {prof.get('command', '').split('calibrate ', 1)[-1]}",
-          *commands, f"python benchmarks/mixed_widths.py{' --model ' + args.model if args.model else ''} "
-          f"--profile {args.profile} --fidelity {' '.join(args.fidelity)} --tag {args.tag}", "```\n"]
-    head = "| cache | tile bytes/token | predicted KL | " + " | ".join(
-        f"KL at {c} | measured / predicted at {c} | bytes at {c}" for c in contexts) + " |"
+    md = [
+        f"# Per-layer widths from a calibration profile ({args.tag})\n",
+        f"Model: {prof['model'].get('model')}. Profile: `{args.profile}`, calibrated on {t['tokens']} tokens of "
+        f"`{t['source']}` from character {t['start_char']} (KL over positions {t['measured_positions'][0]}.."
+        f"{t['measured_positions'][1]}), in {prof['seconds']:.0f} s on this machine ({prof['mode']}).\n",
+        "Measured: teacher-forced mean KL to the plain cache over positions 128..L-2 of the *start* of the "
+        "same text (not used for calibration), 256-token chunks, packed attention; bytes held at L tokens "
+        "(measured arrays). Predicted: the sum over layers of the profile's KL at each layer's key width and "
+        "value width (the mix's own choice; for a preset, its widths everywhere).\n",
+        "Commands:\n",
+        "```sh",
+        f"python -m kvarn_mlx.calibrate {prof.get('command', '').split('calibrate ', 1)[-1]}",
+        *commands,
+        f"python benchmarks/mixed_widths.py{' --model ' + args.model if args.model else ''} "
+        f"--profile {args.profile} --fidelity {' '.join(args.fidelity)} --tag {args.tag}",
+        "```\n",
+    ]
+    head = (
+        "| cache | tile bytes/token | predicted KL | "
+        + " | ".join(f"KL at {c} | measured / predicted at {c} | bytes at {c}" for c in contexts)
+        + " |"
+    )
     md += [head, "|" + "---|" * (3 + 3 * len(contexts))]
     for e in out:
         cells = []
         for c in contexts:
             r = e["contexts"].get(c)
-            cells += [f"{r['kl_mean']:.4f}", f"{r['kl_mean'] / e['predicted_kl']:.2f}", f"{r['bytes']:,}"] if r else [
-                "", "", ""]
-        md.append(f"| {e['label']} | {e['tile_bytes_per_token']:,.1f} | {e['predicted_kl']:.4f} | "
-                  + " | ".join(cells) + " |")
+            cells += (
+                [
+                    f"{r['kl_mean']:.4f}",
+                    f"{r['kl_mean'] / e['predicted_kl']:.2f}",
+                    f"{r['bytes']:,}",
+                ]
+                if r
+                else ["", "", ""]
+            )
+        md.append(
+            f"| {e['label']} | {e['tile_bytes_per_token']:,.1f} | {e['predicted_kl']:.4f} | "
+            + " | ".join(cells)
+            + " |"
+        )
     for e in out:
         if e["widths"]:
             md.append(f"\n{e['label']}: " + " ".join(f"{l}:{w}" for l, w in e["widths"].items()))
@@ -106,14 +143,17 @@ def main():
             m = predicted(model, prof, f"{args.profile}@{e['method']}")[2]
             cfg = get_preset(e["method"])
             if all(kv == (cfg.k_bits, cfg.v_bits) for kv in m.widths.values()):
-                md.append(f"\nThe mix at {e['method']}'s bytes is {e['method']} itself: no other widths fit "
-                          "those bytes with a lower predicted KL.")
+                md.append(
+                    f"\nThe mix at {e['method']}'s bytes is {e['method']} itself: no other widths fit "
+                    "those bytes with a lower predicted KL."
+                )
     plot = draw(out, contexts, args.out / f"mixed_widths_{args.tag}.png")
     if plot:
         md.append(f"\n![KL against bytes]({plot.name})")
     (args.out / f"mixed_widths_{args.tag}.md").write_text("\n".join(md) + "\n")
-    (args.out / f"mixed_widths_{args.tag}.json").write_text(json.dumps({"profile": args.profile, "rows": out,
-                                                                         "commands": commands}, indent=1))
+    (args.out / f"mixed_widths_{args.tag}.json").write_text(
+        json.dumps({"profile": args.profile, "rows": out, "commands": commands}, indent=1)
+    )
     print("\n".join(md))
 
 
@@ -129,11 +169,26 @@ def draw(out, contexts, path):
                 continue
             mixed = e["widths"] is not None
             mib = r["growing_bytes"] / 2**20
-            ax.plot(mib, r["kl_mean"], "o" if mixed else "s", ms=8, color="tab:orange" if mixed else "tab:blue")
-            ax.annotate(e["label"], (mib, r["kl_mean"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
-        ax.set(yscale="log", xlabel=f"KV MiB held at {c} tokens by the layers that grow (measured)",
-               ylabel="mean KL to the plain cache",
-               title=f"{c} tokens: presets (squares), profile mixes (circles)")
+            ax.plot(
+                mib,
+                r["kl_mean"],
+                "o" if mixed else "s",
+                ms=8,
+                color="tab:orange" if mixed else "tab:blue",
+            )
+            ax.annotate(
+                e["label"],
+                (mib, r["kl_mean"]),
+                fontsize=7,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
+        ax.set(
+            yscale="log",
+            xlabel=f"KV MiB held at {c} tokens by the layers that grow (measured)",
+            ylabel="mean KL to the plain cache",
+            title=f"{c} tokens: presets (squares), profile mixes (circles)",
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close("all")

@@ -80,7 +80,9 @@ class OneSideCache(KVarNCache):
             v = self.exact[..., :n, :]
         else:
             k = self.exact[..., :n, :]
-        return replace(s, tiles=None, n_tiles=0, recent_k=k[..., S:, :], recent_v=v[..., S:, :], later=None)
+        return replace(
+            s, tiles=None, n_tiles=0, recent_k=k[..., S:, :], recent_v=v[..., S:, :], later=None
+        )
 
 
 def variant_config(base, side, width):
@@ -115,7 +117,11 @@ def _layer_list(model):
     inner model's list when model.layers is a fresh slice of it (pipelined models)."""
     layers = model.layers
     inner = getattr(getattr(model, "model", None), "layers", None)
-    if isinstance(inner, list) and len(inner) == len(layers) and all(a is b for a, b in zip(inner, layers)):
+    if (
+        isinstance(inner, list)
+        and len(inner) == len(layers)
+        and all(a is b for a, b in zip(inner, layers))
+    ):
         return inner
     return layers
 
@@ -151,7 +157,9 @@ class Recording:
         self.kv = [[None] * len(self.chunks) for _ in range(n)]
         self.ref = {}
         caches = make_prompt_cache(model)
-        self.replayable = len(caches) == n and all(type(c) in (KVCache, RotatingKVCache) for c in caches)
+        self.replayable = len(caches) == n and all(
+            type(c) in (KVCache, RotatingKVCache) for c in caches
+        )
         at = [0]
 
         def record(j):
@@ -159,11 +167,16 @@ class Recording:
                 c = caches[j]
                 a = tuple(_SLOT if x is c else x for x in args)
                 k = {name: _SLOT if v is c else v for name, v in kwargs.items()}
-                self.replayable &= bool(args) and isinstance(args[0], mx.array) and (_SLOT in a or _SLOT in k.values())
+                self.replayable &= (
+                    bool(args)
+                    and isinstance(args[0], mx.array)
+                    and (_SLOT in a or _SLOT in k.values())
+                )
                 if j in keep and args:
                     self.inputs[j][at[0]] = args[0]
                 self.calls[j][at[0]] = ((None,) + a[1:] if a else a, k)
                 return inner(*args, **kwargs)
+
             return fn
 
         for j, c in enumerate(caches):
@@ -173,6 +186,7 @@ class Recording:
                 if self.chunks[at[0]][0] < first_read:
                     self.kv[j][at[0]] = (keys, values)
                 return update(keys, values)
+
             c.update_and_fetch = recorded_update
         x = mx.array(ids)[None]
         bar = Progress(len(self.chunks), "plain pass")
@@ -182,9 +196,12 @@ class Recording:
                 logits = model(x[:, s:e], cache=caches)
                 if i in measured:
                     self.ref[i] = log_softmax(logits[0])
-                mx.eval(self.ref.get(i, logits), [kv for kv in (r[i] for r in self.kv) if kv],
-                        [x for x in (r[i] for r in self.inputs) if x is not None],
-                        [_arrays(self.calls[j][i]) for j in range(n)])
+                mx.eval(
+                    self.ref.get(i, logits),
+                    [kv for kv in (r[i] for r in self.kv) if kv],
+                    [x for x in (r[i] for r in self.inputs) if x is not None],
+                    [_arrays(self.calls[j][i]) for j in range(n)],
+                )
                 bar.step()
 
 
@@ -231,13 +248,17 @@ def measure_replayed(model, rec, l, row_caches, first_read):
             out = _call(layers[l], rec.calls[l][i], h, caches[l])
             for j in range(l + 1, len(layers)):
                 caches[j].update_and_fetch(*(_rows(x, B) for x in rec.kv[j][i]))
-            mx.eval(out, [x for c in caches[l + 1:] for x in (c.keys, c.values)])
+            mx.eval(out, [x for c in caches[l + 1 :] for x in (c.keys, c.values)])
             continue
         for j in range(l, len(layers)):
             h = _call(layers[j], rec.calls[j][i], h, caches[j])
         if i in rec.measured:
-            kl = kl + mx.stack([_kl(rec.ref[i], log_softmax(_head(model, rec.ids[s:e], h[b:b + 1])[0])).sum()
-                                for b in range(B)])
+            kl = kl + mx.stack(
+                [
+                    _kl(rec.ref[i], log_softmax(_head(model, rec.ids[s:e], h[b : b + 1])[0])).sum()
+                    for b in range(B)
+                ]
+            )
             n += e - s
         mx.eval(h, kl)
     return np.array(kl / max(n, 1)).tolist()
@@ -274,17 +295,32 @@ def calibration_tokens(tokenizer, source, start, n):
     start = len(text) // 2 if start is None else start
     ids, chars = [], 8 * n
     while True:
-        ids = tokenizer.encode(text[start:start + chars])
+        ids = tokenizer.encode(text[start : start + chars])
         if len(ids) > n or start + chars >= len(text):
             break
         chars *= 2
     if len(ids) < n:
-        raise ValueError(f"text {source!r} from character {start} has only {len(ids)} tokens; need {n}")
+        raise ValueError(
+            f"text {source!r} from character {start} has only {len(ids)} tokens; need {n}"
+        )
     return ids[:n], start
 
 
-def calibrate(model, tokenizer, *, source="topics", start=None, tokens=TOKENS, measure=MEASURE, chunk=CHUNK,
-              widths=WIDTHS, base=DEFAULT_PRESET, batch=12, replay=True, identity=None):
+def calibrate(
+    model,
+    tokenizer,
+    *,
+    source="topics",
+    start=None,
+    tokens=TOKENS,
+    measure=MEASURE,
+    chunk=CHUNK,
+    widths=WIDTHS,
+    base=DEFAULT_PRESET,
+    batch=12,
+    replay=True,
+    identity=None,
+):
     """The profile (a dict, profile.py's format) of this model."""
     base = get_preset(base)
     widths = sorted(set(widths))
@@ -293,15 +329,21 @@ def calibrate(model, tokenizer, *, source="topics", start=None, tokens=TOKENS, m
     G, S = base.group_size, base.sink_size
     first_read = S + G  # the first token position whose chunk can read a quantized tile
     if chunk < 32:
-        raise ValueError(f"--chunk {chunk}: use at least 32 (shorter steps are decoding steps to the cache)")
+        raise ValueError(
+            f"--chunk {chunk}: use at least 32 (shorter steps are decoding steps to the cache)"
+        )
     if not 0 < measure <= tokens - first_read:
-        raise ValueError(f"--measure {measure}: between 1 and --tokens minus {first_read} "
-                         f"(the sink and the first tile, {tokens - first_read} here)")
+        raise ValueError(
+            f"--measure {measure}: between 1 and --tokens minus {first_read} "
+            f"(the sink and the first tile, {tokens - first_read} here)"
+        )
     ids, start = calibration_tokens(tokenizer, source, start, tokens)
     t0 = time.time()
     layers, shapes = quantizable_layers(model)
     if not layers:
-        raise ValueError("this model has no layer make_cache quantizes (plain KVCache layers): nothing to calibrate")
+        raise ValueError(
+            "this model has no layer make_cache quantizes (plain KVCache layers): nothing to calibrate"
+        )
     make_cache(model, base)  # turns the packed-attention patch on
     chunks = _chunks(tokens, chunk)
     measured = {i for i, (s, e) in enumerate(chunks) if e > tokens - measure}
@@ -315,8 +357,10 @@ def calibrate(model, tokenizer, *, source="topics", start=None, tokens=TOKENS, m
         except Exception as e:  # a model whose layers take more than the replay passes
             err = f"{type(e).__name__}: {e}"
         if not (isinstance(err, float) and err <= REPLAY_TOLERANCE):
-            log.warning(f"calibrate: replaying this model's layers does not reproduce its plain pass ({err}); "
-                        "measuring with whole passes (slower)")
+            log.warning(
+                f"calibrate: replaying this model's layers does not reproduce its plain pass ({err}); "
+                "measuring with whole passes (slower)"
+            )
             mode = "whole"
     variants = []
     for l in layers:
@@ -334,7 +378,7 @@ def calibrate(model, tokenizer, *, source="topics", start=None, tokens=TOKENS, m
     for l in layers:
         mine = [v for v in todo if v[0] == l]
         for k in range(0, len(mine), batch if mode == "replay" else 1):
-            group = mine[k:k + batch]
+            group = mine[k : k + batch]
             rows = [OneSideCache(cfg, side) for _, side, _, cfg in group]
             if mode == "replay":
                 kls = measure_replayed(model, rec, l, rows, first_read)
@@ -350,9 +394,14 @@ def calibrate(model, tokenizer, *, source="topics", start=None, tokens=TOKENS, m
         "format": profiles.FORMAT,
         "format_version": profiles.FORMAT_VERSION,
         "model": identity,
-        "text": {"source": source, "start_char": start, "tokens": tokens,
-                 "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
-                 "measured_positions": [measure_from, tokens - 1], "chunk": chunk},
+        "text": {
+            "source": source,
+            "start_char": start,
+            "tokens": tokens,
+            "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+            "measured_positions": [measure_from, tokens - 1],
+            "chunk": chunk,
+        },
         "settings": {k: getattr(base, k) for k in profiles.SETTINGS},
         "widths": widths,
         "kl": "mean KL(plain || this) in nats per measured position, only this layer's side quantized",
@@ -363,24 +412,57 @@ def calibrate(model, tokenizer, *, source="topics", start=None, tokens=TOKENS, m
 
 
 def setup_arg_parser():
-    p = argparse.ArgumentParser(prog="python -m kvarn_mlx.calibrate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--model", default=None, help="MLX model folder, HF repo or embedded:NAME "
-                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p = argparse.ArgumentParser(
+        prog="python -m kvarn_mlx.calibrate",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="MLX model folder, HF repo or embedded:NAME "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--out", required=True, help="the profile to write (JSON)")
-    p.add_argument("--text", default="topics", help="topics (CPython's pydoc_data/topics.py, default), or a file")
-    p.add_argument("--text-start", type=int, default=None,
-                   help="character of the text to start at (default: its middle)")
-    p.add_argument("--tokens", type=int, default=TOKENS, help=f"tokens of text run through the model (default {TOKENS})")
-    p.add_argument("--measure", type=int, default=MEASURE,
-                   help=f"KL is averaged over the last this many tokens, whole chunks (default {MEASURE})")
-    p.add_argument("--chunk", type=int, default=CHUNK, help=f"prefill chunk (default {CHUNK}, as the evals)")
-    p.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="widths to measure (default all)")
-    p.add_argument("--base", default=DEFAULT_PRESET,
-                   help=f"the preset whose other settings (tile size, sink, key rotation) the widths use "
-                        f"(default {DEFAULT_PRESET})")
-    p.add_argument("--batch", type=int, default=12, help="measurements run together as one batch (default 12)")
+    p.add_argument(
+        "--text",
+        default="topics",
+        help="topics (CPython's pydoc_data/topics.py, default), or a file",
+    )
+    p.add_argument(
+        "--text-start",
+        type=int,
+        default=None,
+        help="character of the text to start at (default: its middle)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=TOKENS,
+        help=f"tokens of text run through the model (default {TOKENS})",
+    )
+    p.add_argument(
+        "--measure",
+        type=int,
+        default=MEASURE,
+        help=f"KL is averaged over the last this many tokens, whole chunks (default {MEASURE})",
+    )
+    p.add_argument(
+        "--chunk", type=int, default=CHUNK, help=f"prefill chunk (default {CHUNK}, as the evals)"
+    )
+    p.add_argument(
+        "--widths", default=",".join(map(str, WIDTHS)), help="widths to measure (default all)"
+    )
+    p.add_argument(
+        "--base",
+        default=DEFAULT_PRESET,
+        help=f"the preset whose other settings (tile size, sink, key rotation) the widths use "
+        f"(default {DEFAULT_PRESET})",
+    )
+    p.add_argument(
+        "--batch", type=int, default=12, help="measurements run together as one batch (default 12)"
+    )
     return p
 
 
@@ -400,18 +482,40 @@ def main(argv=None):
     model, tokenizer = load(args.model)
     identity = model_identity(args.model, model, tokenizer)
     try:
-        p = calibrate(model, tokenizer, source=args.text, start=args.text_start, tokens=args.tokens,
-                      measure=args.measure, chunk=args.chunk, widths=widths, base=args.base,
-                      batch=max(1, args.batch), identity=identity)
+        p = calibrate(
+            model,
+            tokenizer,
+            source=args.text,
+            start=args.text_start,
+            tokens=args.tokens,
+            measure=args.measure,
+            chunk=args.chunk,
+            widths=widths,
+            base=args.base,
+            batch=max(1, args.batch),
+            identity=identity,
+        )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    p["command"] = "python -m kvarn_mlx.calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
+    p["command"] = "python -m kvarn_mlx.calibrate " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
     profiles.write(args.out, p)
-    worst = max(((e["layer"], s, kl) for e in p["layers"] for s in profiles.SIDES
-                 for kl in [e[s].get(str(min(p["widths"])))] if kl is not None), key=lambda t: t[2])
-    print(f"wrote {args.out}: {len(p['layers'])} layers x {len(profiles.SIDES)} sides x {len(p['widths'])} widths "
-          f"in {p['seconds']:.0f} s ({p['mode']}); most sensitive at {min(p['widths'])} bits: layer {worst[0]} "
-          f"{'keys' if worst[1] == 'k' else 'values'} (KL {worst[2]:.3g})")
+    worst = max(
+        (
+            (e["layer"], s, kl)
+            for e in p["layers"]
+            for s in profiles.SIDES
+            for kl in [e[s].get(str(min(p["widths"])))]
+            if kl is not None
+        ),
+        key=lambda t: t[2],
+    )
+    print(
+        f"wrote {args.out}: {len(p['layers'])} layers x {len(profiles.SIDES)} sides x {len(p['widths'])} widths "
+        f"in {p['seconds']:.0f} s ({p['mode']}); most sensitive at {min(p['widths'])} bits: layer {worst[0]} "
+        f"{'keys' if worst[1] == 'k' else 'values'} (KL {worst[2]:.3g})"
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,10 @@ def tile_bytes(config, heads, head_dim, dtype):
     x = mx.zeros((1, heads, n, head_dim), dtype)
     c.update_and_fetch(x, x)
     tiles = c.tiles.valid(1)
-    return (sum(a.nbytes for a in tiles.keys()),
-            sum(a.nbytes for a in tiles.arrays()) - sum(a.nbytes for a in tiles.keys()))
+    return (
+        sum(a.nbytes for a in tiles.keys()),
+        sum(a.nbytes for a in tiles.arrays()) - sum(a.nbytes for a in tiles.keys()),
+    )
 
 
 @dataclass
@@ -50,7 +52,9 @@ class Mix:
     predicted_kl: float  # sum of the layers' measured KLs at these widths
     group_size: int
     target: str  # what was asked, e.g. "bytes of auto4v2" or "KL <= 0.005"
-    budget: dict = field(default_factory=dict)  # the preset's tile bytes and predicted KL, for bytes_like
+    budget: dict = field(
+        default_factory=dict
+    )  # the preset's tile bytes and predicted KL, for bytes_like
 
     @property
     def bytes_per_token(self):
@@ -58,20 +62,30 @@ class Mix:
         return self.tile_bytes / self.group_size
 
     def summary(self) -> dict:
-        return {"widths": {str(l): f"k{k}v{v}" for l, (k, v) in sorted(self.widths.items())},
-                "tile_bytes_per_token": self.bytes_per_token, "predicted_kl": self.predicted_kl,
-                "target": self.target, **({"preset": self.budget} if self.budget else {})}
+        return {
+            "widths": {str(l): f"k{k}v{v}" for l, (k, v) in sorted(self.widths.items())},
+            "tile_bytes_per_token": self.bytes_per_token,
+            "predicted_kl": self.predicted_kl,
+            "target": self.target,
+            **({"preset": self.budget} if self.budget else {}),
+        }
 
     def describe(self) -> str:
         counts = {}
         for kv in self.widths.values():
             counts[kv] = counts.get(kv, 0) + 1
-        common = ", ".join(f"k{k}v{v} x{n}" for (k, v), n in sorted(counts.items(), key=lambda t: -t[1]))
-        out = (f"KV widths from the profile ({self.target}): {common}; "
-               f"{self.bytes_per_token:,.1f} tile bytes/token, predicted KL {self.predicted_kl:.4g}")
+        common = ", ".join(
+            f"k{k}v{v} x{n}" for (k, v), n in sorted(counts.items(), key=lambda t: -t[1])
+        )
+        out = (
+            f"KV widths from the profile ({self.target}): {common}; "
+            f"{self.bytes_per_token:,.1f} tile bytes/token, predicted KL {self.predicted_kl:.4g}"
+        )
         if self.budget:
-            out += (f" ({self.budget['name']}: {self.budget['tile_bytes'] / self.group_size:,.1f} bytes/token, "
-                    f"predicted KL {self.budget['predicted_kl']:.4g})")
+            out += (
+                f" ({self.budget['name']}: {self.budget['tile_bytes'] / self.group_size:,.1f} bytes/token, "
+                f"predicted KL {self.budget['predicted_kl']:.4g})"
+            )
         per_layer = " ".join(f"{l}:k{k}v{v}" for l, (k, v) in sorted(self.widths.items()))
         return out + "\n  per layer: " + per_layer
 
@@ -129,7 +143,9 @@ def choose(p, shapes, bytes_like=None, max_kl=None) -> Mix:
     value dim, dtype)}): the least predicted KL within the tile bytes of the
     preset bytes_like, or the fewest bytes whose predicted KL is at most max_kl."""
     if (bytes_like is None) == (max_kl is None):
-        raise ValueError("a profile needs exactly one of bytes_like (a preset whose bytes to match) or max_kl")
+        raise ValueError(
+            "a profile needs exactly one of bytes_like (a preset whose bytes to match) or max_kl"
+        )
     groups = _options(p, shapes)
     costs = [c for _, opts in groups for _, c, _ in opts]
     unit = reduce(math.gcd, costs)
@@ -138,14 +154,18 @@ def choose(p, shapes, bytes_like=None, max_kl=None) -> Mix:
     if bytes_like is not None:
         cfg = get_preset(bytes_like)
         if cfg.group_size != G:
-            raise ValueError(f"bytes_like={bytes_like!r} has {cfg.group_size}-token tiles; the profile's have {G}")
+            raise ValueError(
+                f"bytes_like={bytes_like!r} has {cfg.group_size}-token tiles; the profile's have {G}"
+            )
         widths = {"k": cfg.k_bits, "v": cfg.v_bits}
         total, kl = 0, 0.0
         for (layer, side), opts in groups:
             match = [o for o in opts if o[0] == widths[side]]
             if not match:
-                raise ValueError(f"bytes_like={bytes_like!r}: layer {layer} cannot hold {widths[side]}-bit "
-                                 f"{'keys' if side == 'k' else 'values'}; pick another preset")
+                raise ValueError(
+                    f"bytes_like={bytes_like!r}: layer {layer} cannot hold {widths[side]}-bit "
+                    f"{'keys' if side == 'k' else 'values'}; pick another preset"
+                )
             total, kl = total + match[0][1], kl + match[0][2]
         preset = {"name": bytes_like, "tile_bytes": total, "predicted_kl": kl}
         budget = total // unit
@@ -161,8 +181,10 @@ def choose(p, shapes, bytes_like=None, max_kl=None) -> Mix:
         raise ValueError("no widths fit that many bytes")
     if max_kl is not None:
         if best[budget] > max_kl:
-            raise ValueError(f"the profile predicts KL {best[budget]:.4g} at best (8-bit keys and values "
-                             f"everywhere), above max_kl={max_kl:g}; ask for more, or use the plain cache (fp16)")
+            raise ValueError(
+                f"the profile predicts KL {best[budget]:.4g} at best (8-bit keys and values "
+                f"everywhere), above max_kl={max_kl:g}; ask for more, or use the plain cache (fp16)"
+            )
         budget = int(np.argmax(best <= max_kl))
         chosen, _ = allocate(scaled, budget)
     widths, total, kl = {}, 0, 0.0

@@ -52,9 +52,11 @@ def fingerprint(model) -> str:
     for name, x in params:
         h.update(f"{name}:{tuple(x.shape)}:{x.dtype}".encode())
         flat = x.reshape(-1)
-        ends.append(mx.concatenate([flat[:_SAMPLE], flat[-_SAMPLE:]]).astype(mx.float32)
-                    if mx.issubdtype(x.dtype, mx.floating) else
-                    mx.concatenate([flat[:_SAMPLE], flat[-_SAMPLE:]]).astype(mx.int64))
+        ends.append(
+            mx.concatenate([flat[:_SAMPLE], flat[-_SAMPLE:]]).astype(mx.float32)
+            if mx.issubdtype(x.dtype, mx.floating)
+            else mx.concatenate([flat[:_SAMPLE], flat[-_SAMPLE:]]).astype(mx.int64)
+        )
     mx.eval(ends)
     for e in ends:
         h.update(np.array(e).tobytes())
@@ -75,23 +77,32 @@ def read(path) -> dict:
     for every layer, a KL (a finite number >= 0, or null) at every width."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise ProfileError(f"no profile file at {path}; make one with python -m kvarn_mlx.calibrate --out {path}")
+        raise ProfileError(
+            f"no profile file at {path}; make one with python -m kvarn_mlx.calibrate --out {path}"
+        )
     try:
         p = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
-        raise ProfileError(f"{path} is not JSON ({e}); pass a file written by python -m kvarn_mlx.calibrate") from None
+        raise ProfileError(
+            f"{path} is not JSON ({e}); pass a file written by python -m kvarn_mlx.calibrate"
+        ) from None
     if not isinstance(p, dict) or p.get("format") != FORMAT:
-        raise ProfileError(f"{path} is not a kvarn-mlx profile (no \"format\": \"{FORMAT}\"); "
-                           "pass a file written by python -m kvarn_mlx.calibrate")
+        raise ProfileError(
+            f'{path} is not a kvarn-mlx profile (no "format": "{FORMAT}"); '
+            "pass a file written by python -m kvarn_mlx.calibrate"
+        )
     if p.get("format_version") != FORMAT_VERSION:
-        raise ProfileError(f"{path} has profile format version {p.get('format_version')!r}; this version reads "
-                           f"{FORMAT_VERSION}. Calibrate again")
+        raise ProfileError(
+            f"{path} has profile format version {p.get('format_version')!r}; this version reads "
+            f"{FORMAT_VERSION}. Calibrate again"
+        )
     validate(p, str(path))
     return p
 
 
 def validate(p, where="the profile"):
     """Raise ProfileError unless p has every field a mix needs, each well formed."""
+
     def bad(msg):
         raise ProfileError(f"{where}: {msg}; calibrate again (python -m kvarn_mlx.calibrate)")
 
@@ -126,14 +137,20 @@ def validate(p, where="the profile"):
                 bad(f"layer {i} has no {side!r} measurements")
             for key in kls:
                 if not key.isdigit() or int(key) not in SUPPORTED_BITS:
-                    bad(f"layer {i} {side!r}: width {key!r} is not one KVarN supports "
-                        f"({', '.join(map(str, SUPPORTED_BITS))})")
+                    bad(
+                        f"layer {i} {side!r}: width {key!r} is not one KVarN supports "
+                        f"({', '.join(map(str, SUPPORTED_BITS))})"
+                    )
             for w in widths:
                 kl = kls.get(str(w), "missing")
                 if kl == "missing":
                     bad(f"layer {i} {side!r} has no measurement at width {w}")
-                if kl is not None and (not isinstance(kl, (int, float)) or isinstance(kl, bool)
-                                       or not math.isfinite(kl) or kl < 0):
+                if kl is not None and (
+                    not isinstance(kl, (int, float))
+                    or isinstance(kl, bool)
+                    or not math.isfinite(kl)
+                    or kl < 0
+                ):
                     bad(f"layer {i} {side!r} width {w}: KL {kl!r} is not a number >= 0")
             if all(kls[str(w)] is None for w in widths):
                 bad(f"layer {i} {side!r} has no width it can hold")
@@ -144,14 +161,19 @@ def check_model(p, model, layers, where="the profile"):
     a layer make_cache quantizes. layers: the indices of those layers."""
     fp = fingerprint(model)
     if p["model"]["fingerprint"] != fp:
-        raise ProfileError(f"{where} was calibrated on {p['model'].get('model', 'another model')} "
-                           f"({p['model'].get('model_layers', '?')} layers), not on the model loaded now; "
-                           "calibrate this model (python -m kvarn_mlx.calibrate --model ...) or pass its profile")
+        raise ProfileError(
+            f"{where} was calibrated on {p['model'].get('model', 'another model')} "
+            f"({p['model'].get('model_layers', '?')} layers), not on the model loaded now; "
+            "calibrate this model (python -m kvarn_mlx.calibrate --model ...) or pass its profile"
+        )
     have = {e["layer"] for e in p["layers"]}
     missing, extra = sorted(set(layers) - have), sorted(have - set(layers))
     if missing or extra:
-        what = (f"has no measurements for layer(s) {missing}" if missing else
-                f"measures layer(s) {extra}, which this model's cache does not quantize")
+        what = (
+            f"has no measurements for layer(s) {missing}"
+            if missing
+            else f"measures layer(s) {extra}, which this model's cache does not quantize"
+        )
         raise ProfileError(f"{where} {what}; calibrate again (python -m kvarn_mlx.calibrate)")
 
 
@@ -162,11 +184,15 @@ def flags(profile, bytes_like, max_kl, default_bytes_like):
     the widths match default_bytes_like's bytes. Raises ValueError naming the flag."""
     if profile is None:
         if bytes_like is not None or max_kl is not None:
-            raise ValueError("--kv-bytes-like and --kv-max-kl choose widths from a calibration profile: "
-                             "pass --kv-profile PROFILE.json too")
+            raise ValueError(
+                "--kv-bytes-like and --kv-max-kl choose widths from a calibration profile: "
+                "pass --kv-profile PROFILE.json too"
+            )
         return None, None, None
     if bytes_like is not None and max_kl is not None:
-        raise ValueError("--kv-bytes-like and --kv-max-kl: give one (a preset's bytes, or a KL target)")
+        raise ValueError(
+            "--kv-bytes-like and --kv-max-kl: give one (a preset's bytes, or a KL target)"
+        )
     if max_kl is not None and not (math.isfinite(max_kl) and max_kl > 0):
         raise ValueError(f"--kv-max-kl {max_kl}: give a KL in nats > 0, e.g. 0.005")
     if max_kl is None and bytes_like is None:
@@ -187,8 +213,12 @@ def flags(profile, bytes_like, max_kl, default_bytes_like):
 
 def from_settings(settings, default_bytes_like):
     """flags() of parsed CLI settings (kv_profile, kv_bytes_like, kv_max_kl; absent ones are None)."""
-    return flags(getattr(settings, "kv_profile", None), getattr(settings, "kv_bytes_like", None),
-                 getattr(settings, "kv_max_kl", None), default_bytes_like)
+    return flags(
+        getattr(settings, "kv_profile", None),
+        getattr(settings, "kv_bytes_like", None),
+        getattr(settings, "kv_max_kl", None),
+        default_bytes_like,
+    )
 
 
 # -- writing -------------------------------------------------------------------------
@@ -206,12 +236,16 @@ def check_writable(path) -> Path:
     file already there is a profile (call it before the long measurement)."""
     path = Path(path).expanduser()
     if not path.parent.is_dir():
-        raise ProfileError(f"cannot write the profile to {path}: {path.parent} is not a folder; create it first")
+        raise ProfileError(
+            f"cannot write the profile to {path}: {path.parent} is not a folder; create it first"
+        )
     if path.is_dir():
         raise ProfileError(f"cannot write the profile to {path}: it is a folder; pass a file name")
     if path.exists() and not is_profile(path):
-        raise ProfileError(f"{path} exists and is not a kvarn-mlx profile; refusing to overwrite it. "
-                           "Pass another file name")
+        raise ProfileError(
+            f"{path} exists and is not a kvarn-mlx profile; refusing to overwrite it. "
+            "Pass another file name"
+        )
     return path
 
 

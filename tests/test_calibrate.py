@@ -30,7 +30,9 @@ def llama():
 
 @pytest.fixture(scope="module")
 def llama_profile(llama, text_file):
-    return C.calibrate(llama, tokenizer(), source=text_file, start=0, tokens=384, measure=128, chunk=128)
+    return C.calibrate(
+        llama, tokenizer(), source=text_file, start=0, tokens=384, measure=128, chunk=128
+    )
 
 
 @pytest.mark.parametrize("name", ["llama64", "gemma3", "qwen2"])
@@ -40,14 +42,20 @@ def test_replay_equals_whole_passes(name, text_file):
     model = tiny_model(name)
     ids, _ = C.calibration_tokens(tokenizer(), text_file, 0, 512)
     chunks = C._chunks(512, 128)
-    layers = [i for i, c in enumerate(make_cache(model, "auto4v2")) if type(c).__name__ == "KVarNCache"]
+    layers = [
+        i for i, c in enumerate(make_cache(model, "auto4v2")) if type(c).__name__ == "KVarNCache"
+    ]
     l = layers[-1] if name == "gemma3" else layers[0]
     rec = C.Recording(model, ids, 128, {2, 3}, {l}, 256)
     base = get_preset("auto4v2")
     assert C.measure_replayed(model, rec, l, [KVCache()], 256) == [0.0]
     for side, w in (("k", 2), ("v", 3)):
-        replayed = C.measure_replayed(model, rec, l, [C.OneSideCache(C.variant_config(base, side, w), side)], 256)
-        whole = C.measure_whole(model, rec, l, C.OneSideCache(C.variant_config(base, side, w), side))
+        replayed = C.measure_replayed(
+            model, rec, l, [C.OneSideCache(C.variant_config(base, side, w), side)], 256
+        )
+        whole = C.measure_whole(
+            model, rec, l, C.OneSideCache(C.variant_config(base, side, w), side)
+        )
         assert replayed[0] > 1e-4
         assert replayed[0] == pytest.approx(whole, rel=1e-4)
     assert len(chunks) == 4
@@ -58,10 +66,13 @@ def test_batched_rows_equal_single_rows(llama, text_file):
     rec = C.Recording(llama, ids, 128, {3}, {0}, 256)
     base = get_preset("auto4v2")
     variants = [("k", 2), ("v", 2), ("k", 5)]
-    rows = C.measure_replayed(llama, rec, 0, [C.OneSideCache(C.variant_config(base, s, w), s) for s, w in variants],
-                              256)
+    rows = C.measure_replayed(
+        llama, rec, 0, [C.OneSideCache(C.variant_config(base, s, w), s) for s, w in variants], 256
+    )
     for (s, w), kl in zip(variants, rows):
-        one = C.measure_replayed(llama, rec, 0, [C.OneSideCache(C.variant_config(base, s, w), s)], 256)[0]
+        one = C.measure_replayed(
+            llama, rec, 0, [C.OneSideCache(C.variant_config(base, s, w), s)], 256
+        )[0]
         assert kl == pytest.approx(one, rel=1e-4)
 
 
@@ -126,7 +137,9 @@ def test_calibrate_cli_refuses_bad_arguments_before_loading(tmp_path):
 
 def test_calibrate_refuses_a_measure_window_without_quantized_tiles(llama, text_file):
     with pytest.raises(ValueError, match="--measure"):
-        C.calibrate(llama, tokenizer(), source=text_file, start=0, tokens=300, measure=256, chunk=128)
+        C.calibrate(
+            llama, tokenizer(), source=text_file, start=0, tokens=300, measure=256, chunk=128
+        )
 
 
 @pytest.mark.slow

@@ -27,12 +27,24 @@ def synthetic(model, seed=0, layers=None):
     and side its own scale (what calibration measures, in shape)."""
     rng = random.Random(seed)
     layers = integration.quantizable_layers(model)[0] if layers is None else layers
-    entries = [{"layer": l, **{s: {str(w): rng.uniform(0.2, 5) * 0.3 * 4.0 ** -(w - 2) for w in WIDTHS}
-                               for s in "kv"}} for l in layers]
-    return {"format": P.FORMAT, "format_version": P.FORMAT_VERSION,
-            "model": {"model": "tiny", "fingerprint": P.fingerprint(model)},
-            "settings": {k: getattr(get_preset("auto4v2"), k) for k in P.SETTINGS},
-            "widths": WIDTHS, "layers": entries}
+    entries = [
+        {
+            "layer": l,
+            **{
+                s: {str(w): rng.uniform(0.2, 5) * 0.3 * 4.0 ** -(w - 2) for w in WIDTHS}
+                for s in "kv"
+            },
+        }
+        for l in layers
+    ]
+    return {
+        "format": P.FORMAT,
+        "format_version": P.FORMAT_VERSION,
+        "model": {"model": "tiny", "fingerprint": P.fingerprint(model)},
+        "settings": {k: getattr(get_preset("auto4v2"), k) for k in P.SETTINGS},
+        "widths": WIDTHS,
+        "layers": entries,
+    }
 
 
 def save(tmp_path, p, name="p.json"):
@@ -53,9 +65,11 @@ def test_allocate_is_exact():
         groups = [[(rng.randint(0, 6), rng.uniform(0, 1)) for _ in range(3)] for _ in range(4)]
         for budget in range(0, 25):
             chosen, best = M.allocate(groups, budget)
-            fits = [(sum(g[i][1] for g, i in zip(groups, pick)), pick)
-                    for pick in itertools.product(range(3), repeat=4)
-                    if sum(g[i][0] for g, i in zip(groups, pick)) <= budget]
+            fits = [
+                (sum(g[i][1] for g, i in zip(groups, pick)), pick)
+                for pick in itertools.product(range(3), repeat=4)
+                if sum(g[i][0] for g, i in zip(groups, pick)) <= budget
+            ]
             if not fits:
                 assert chosen is None
                 continue
@@ -69,7 +83,9 @@ def test_mix_is_monotone_in_the_budget_and_never_above_a_preset(name, models):
     model = models[name]
     p = synthetic(model)
     layers, shapes = integration.quantizable_layers(model)
-    mixes = sorted((M.choose(p, shapes, bytes_like=b) for b in PRESETS), key=lambda m: m.budget["tile_bytes"])
+    mixes = sorted(
+        (M.choose(p, shapes, bytes_like=b) for b in PRESETS), key=lambda m: m.budget["tile_bytes"]
+    )
     for a, b in zip(mixes, mixes[1:]):
         assert b.predicted_kl <= a.predicted_kl
     for m in mixes:
@@ -87,7 +103,9 @@ def test_mix_is_monotone_in_the_budget_and_never_above_a_preset(name, models):
 def test_mix_predicts_less_than_the_uniform_preset_when_layers_differ(models):
     model = models["llama64"]
     p = synthetic(model)
-    p["layers"][0]["k"] = {str(w): 10 * v for w, v in p["layers"][0]["k"].items()}  # keys of layer 0 matter more
+    p["layers"][0]["k"] = {
+        str(w): 10 * v for w, v in p["layers"][0]["k"].items()
+    }  # keys of layer 0 matter more
     shapes = integration.quantizable_layers(model)[1]
     m = M.choose(p, shapes, bytes_like="auto4v2")
     assert m.predicted_kl < m.budget["predicted_kl"]
@@ -107,7 +125,11 @@ def test_held_bytes_of_the_mix_never_exceed_the_preset(name, models, tmp_path):
         held = memory.cache_bytes(mixed)["held"], memory.cache_bytes(plain)["held"]
         assert held[0] <= held[1]
         assert any(isinstance(c, KVarNCache) for c in mixed)
-        widths = {i: (c.config.k_bits, c.config.v_bits) for i, c in enumerate(mixed) if isinstance(c, KVarNCache)}
+        widths = {
+            i: (c.config.k_bits, c.config.v_bits)
+            for i, c in enumerate(mixed)
+            if isinstance(c, KVarNCache)
+        }
         assert widths == profile_mix(model, path, preset)[0].widths
 
 
@@ -152,14 +174,17 @@ def test_refusals_come_before_any_cache_is_built(models, tmp_path, monkeypatch):
 
     def built(*a, **k):
         raise AssertionError("a KVarNCache was built before the profile was refused")
+
     monkeypatch.setattr(KVarNCache, "__init__", built)
-    cases = [(other, "calibrated on tiny .* not on the model loaded now"),
-             (save(tmp_path, missing, "m.json"), r"no measurements for layer\(s\) \[1\]"),
-             (save(tmp_path, wide, "w.json"), "width 7 is not one KVarN supports"),
-             (save(tmp_path, narrow, "n.json"), "width '1' is not one KVarN supports"),
-             (save(tmp_path, negative, "neg.json"), "is not a number >= 0"),
-             (str(tmp_path / "absent.json"), "no profile file"),
-             (save(tmp_path, {"format": "x"}, "x.json"), "not a kvarn-mlx profile")]
+    cases = [
+        (other, "calibrated on tiny .* not on the model loaded now"),
+        (save(tmp_path, missing, "m.json"), r"no measurements for layer\(s\) \[1\]"),
+        (save(tmp_path, wide, "w.json"), "width 7 is not one KVarN supports"),
+        (save(tmp_path, narrow, "n.json"), "width '1' is not one KVarN supports"),
+        (save(tmp_path, negative, "neg.json"), "is not a number >= 0"),
+        (str(tmp_path / "absent.json"), "no profile file"),
+        (save(tmp_path, {"format": "x"}, "x.json"), "not a kvarn-mlx profile"),
+    ]
     for path, message in cases:
         with pytest.raises(P.ProfileError, match=message):
             make_cache(model, profile=path, bytes_like="auto4v2")
@@ -191,11 +216,17 @@ def test_generate_flags(tmp_path, models):
         generate.check_args(parse(["--kv-profile", str(tmp_path / "none.json")]))
     path = save(tmp_path, synthetic(models["llama64"]))
     with pytest.raises(generate.UsageError, match="give one"):
-        generate.check_args(parse(["--kv-profile", path, "--kv-max-kl", "0.01", "--kv-bytes-like", "auto2"]))
+        generate.check_args(
+            parse(["--kv-profile", path, "--kv-max-kl", "0.01", "--kv-bytes-like", "auto2"])
+        )
     with pytest.raises(generate.UsageError, match="--kv-bytes-like"):
         generate.check_args(parse(["--kv-profile", path, "--kv-bytes-like", "k9v2"]))
     assert generate.kv_profile(parse(["--kv-profile", path])) == (path, "auto4v2", None)
-    assert generate.kv_profile(parse(["--kv-profile", path, "--kv-max-kl", "0.01"])) == (path, None, 0.01)
+    assert generate.kv_profile(parse(["--kv-profile", path, "--kv-max-kl", "0.01"])) == (
+        path,
+        None,
+        0.01,
+    )
 
 
 def test_eval_method_of_a_profile(models, tmp_path):
