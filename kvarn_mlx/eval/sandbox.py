@@ -20,7 +20,7 @@ from dataclasses import dataclass
 # Limits are set by the program itself, first thing: a preexec_fn would run
 # Python in a child forked from a multi-threaded process (MLX, OpenBLAS),
 # which can deadlock there.
-_LIMITS = r'''
+_LIMITS = r"""
 import resource
 for _limit, _value in [(resource.RLIMIT_CPU, {cpu}), (resource.RLIMIT_AS, {memory}),
                        (resource.RLIMIT_FSIZE, 16 << 20), (resource.RLIMIT_NOFILE, 64),
@@ -29,9 +29,9 @@ for _limit, _value in [(resource.RLIMIT_CPU, {cpu}), (resource.RLIMIT_AS, {memor
         resource.setrlimit(_limit, (_value, _value))
     except (ValueError, OSError):
         pass  # macOS refuses some (RLIMIT_AS): the others still hold
-'''
+"""
 
-_PREAMBLE = r'''
+_PREAMBLE = r"""
 import builtins, io, os, shutil, socket, subprocess, sys
 _root = os.path.realpath(os.getcwd())
 def _inside(path):
@@ -71,7 +71,7 @@ subprocess.Popen = _denied("subprocess")
 for _name in ("_socket", "_posixsubprocess", "ctypes", "_ctypes", "resource", "multiprocessing"):
     sys.modules[_name] = None  # importing them raises ImportError
 del _name
-'''
+"""
 
 
 @dataclass
@@ -90,11 +90,22 @@ def run(program, timeout=10.0, memory_bytes=2 << 30):
     with tempfile.TemporaryDirectory(prefix="kvarn-sandbox.") as folder:
         path = os.path.join(folder, "program.py")
         with open(path, "w") as f:
-            f.write(_LIMITS.format(cpu=int(timeout) + 1, memory=memory_bytes) + _PREAMBLE + "\n" + program + "\n")
+            f.write(
+                _LIMITS.format(cpu=int(timeout) + 1, memory=memory_bytes)
+                + _PREAMBLE
+                + "\n"
+                + program
+                + "\n"
+            )
         env = {"PATH": "/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8"}
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-B", path], cwd=folder, env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            [sys.executable, "-I", "-B", path],
+            cwd=folder,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         try:
             out, _ = proc.communicate(timeout=timeout)

@@ -51,11 +51,15 @@ from .runner import Progress, pyplot
 
 NAME = "tasks"
 HELP = "HumanEval pass@1 per cache (batched generation, tests in a sandbox), paired against the plain cache"
-ATTENTION = "packed"  # batched KVarN caches attend through the packed path whatever --attention says
+ATTENTION = (
+    "packed"  # batched KVarN caches attend through the packed path whatever --attention says
+)
 
 PROMPT_VERSION = 1  # bump when the prompt text or answer parsing changes
-ASK = ("Complete the following Python function. Answer with the whole function, with the imports it "
-       "needs, in one ```python code block.\n\n```python\n{prompt}```")
+ASK = (
+    "Complete the following Python function. Answer with the whole function, with the imports it "
+    "needs, in one ```python code block.\n\n```python\n{prompt}```"
+)
 CONTEXT_INTRO = "Here is some code from my repository, for context:\n\n```python\n"
 CONTEXT_END = "\n```\n\n"
 # Context source: CPython modules installed with every Python, none about the problems.
@@ -64,19 +68,31 @@ _MARK = "@@KVARN_CONTEXT@@"
 
 
 def add_arguments(p):
-    p.add_argument("--methods", default="auto4v2,auto2,k2v2_g128",
-                   help="caches compared with the plain cache (fp, always run as the reference)")
-    p.add_argument("--problems", default="164",
-                   help="which problems: N (the first N) or A:B (HumanEval/A up to, not including, B)")
-    p.add_argument("--prefix", default="0",
-                   help="settings: tokens of unrelated Python source before each problem (0: the problem alone)")
+    p.add_argument(
+        "--methods",
+        default="auto4v2,auto2,k2v2_g128",
+        help="caches compared with the plain cache (fp, always run as the reference)",
+    )
+    p.add_argument(
+        "--problems",
+        default="164",
+        help="which problems: N (the first N) or A:B (HumanEval/A up to, not including, B)",
+    )
+    p.add_argument(
+        "--prefix",
+        default="0",
+        help="settings: tokens of unrelated Python source before each problem (0: the problem alone)",
+    )
     p.add_argument("--max-tokens", type=int, default=512, help="answer tokens at most")
     p.add_argument("--batch", type=int, default=8, help="problems generated together (one batch)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds a problem's tests may run")
     p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--checkpoint", default=None,
-                   help="jsonl of finished problems: a run that stops resumes from it, and a run with more "
-                        "problems, settings or methods reuses what it holds (default: none)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="jsonl of finished problems: a run that stops resumes from it, and a run with more "
+        "problems, settings or methods reuses what it holds (default: none)",
+    )
 
 
 def run(args, model, tokenizer, methods, meta_md):
@@ -85,8 +101,18 @@ def run(args, model, tokenizer, methods, meta_md):
     prefixes = [int(x) for x in args.prefix.split(",") if x]
     if any(n < 0 for n in prefixes):
         raise ValueError(f"--prefix {args.prefix}: token counts must be 0 or more")
-    res = tasks(model, tokenizer, methods, problems, prefixes, max_tokens=args.max_tokens, batch=args.batch,
-                timeout=args.timeout, prefill_step_size=args.prefill_step_size, checkpoint=args.checkpoint)
+    res = tasks(
+        model,
+        tokenizer,
+        methods,
+        problems,
+        prefixes,
+        max_tokens=args.max_tokens,
+        batch=args.batch,
+        timeout=args.timeout,
+        prefill_step_size=args.prefill_step_size,
+        checkpoint=args.checkpoint,
+    )
     return res, markdown(res, meta_md), lambda folder: plots(res, folder)
 
 
@@ -117,8 +143,11 @@ def select(problems, spec):
 def _split_template(tokenizer, question):
     """(text before the user's message, the message's end and the answer's start) around `question`."""
     if getattr(tokenizer, "has_chat_template", False):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK + question}],
-                                             add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": _MARK + question}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
         head, tail = text.split(_MARK)
         return head, tail, False
     return "", question + "\n", True
@@ -126,7 +155,10 @@ def _split_template(tokenizer, question):
 
 def context_ids(tokenizer, n):
     """n tokens of CPython source, the same for every problem."""
-    text = "".join(f"# {m}.py\n" + Path(importlib.util.find_spec(m).origin).read_text() for m in CONTEXT_MODULES)
+    text = "".join(
+        f"# {m}.py\n" + Path(importlib.util.find_spec(m).origin).read_text()
+        for m in CONTEXT_MODULES
+    )
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) < n:
         raise ValueError(f"--prefix {n}: the context source has only {len(ids)} tokens")
@@ -140,8 +172,11 @@ def prompt_parts(tokenizer, problem, context):
     head, tail, special = _split_template(tokenizer, ASK.format(prompt=problem["prompt"]))
     if context is None:
         return [], tokenizer.encode(head + tail, add_special_tokens=special)
-    shared = (tokenizer.encode(head + CONTEXT_INTRO, add_special_tokens=special) + list(context)
-              + tokenizer.encode(CONTEXT_END, add_special_tokens=False))
+    shared = (
+        tokenizer.encode(head + CONTEXT_INTRO, add_special_tokens=special)
+        + list(context)
+        + tokenizer.encode(CONTEXT_END, add_special_tokens=False)
+    )
     return shared, tokenizer.encode(tail, add_special_tokens=False)
 
 
@@ -213,8 +248,14 @@ def generate(model, tokenizer, name, prompts, caches, max_tokens, step):
         outs = []
         for ids, cache in zip(prompts, caches):
             out = []
-            for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens, prompt_cache=cache,
-                                     prefill_step_size=step):
+            for r in stream_generate(
+                model,
+                tokenizer,
+                mx.array(ids),
+                max_tokens=max_tokens,
+                prompt_cache=cache,
+                prefill_step_size=step,
+            ):
                 if r.token in eos:
                     break
                 out.append(r.token)
@@ -231,14 +272,18 @@ def generate(model, tokenizer, name, prompts, caches, max_tokens, step):
         while responses := gen.next_generated():
             closed = []
             for r in responses:
-                if r.finish_reason != "stop":  # the end-of-sequence token is left out, as batch_generate does
+                if (
+                    r.finish_reason != "stop"
+                ):  # the end-of-sequence token is left out, as batch_generate does
                     out[r.uid].append(r.token)
                 if r.finish_reason is not None:
                     final[r.uid] = r.prompt_cache
                 elif code_closed(tokenizer.decode(out[r.uid])):
                     closed.append(r.uid)
             if closed:  # remove() hands back (cache, tokens) per row
-                final.update({u: c for u, (c, _) in gen.remove(closed, return_prompt_caches=True).items()})
+                final.update(
+                    {u: c for u, (c, _) in gen.remove(closed, return_prompt_caches=True).items()}
+                )
     finally:
         gen.close()
     return [out[u] for u in uids], [final[u] for u in uids]
@@ -262,11 +307,26 @@ def _load_checkpoint(path, shared):
     return done
 
 
-def tasks(model, tokenizer, methods, problems, prefixes, max_tokens=512, batch=8, timeout=10.0,
-          prefill_step_size=2048, checkpoint=None):
+def tasks(
+    model,
+    tokenizer,
+    methods,
+    problems,
+    prefixes,
+    max_tokens=512,
+    batch=8,
+    timeout=10.0,
+    prefill_step_size=2048,
+    checkpoint=None,
+):
     methods = ["fp"] + [m for m in methods if m != "fp"]
-    shared = dict(max_tokens=max_tokens, timeout=timeout, prompt_version=PROMPT_VERSION,
-                  context_modules=list(CONTEXT_MODULES), stop="eos, max_tokens or the first code block's end")
+    shared = dict(
+        max_tokens=max_tokens,
+        timeout=timeout,
+        prompt_version=PROMPT_VERSION,
+        context_modules=list(CONTEXT_MODULES),
+        stop="eos, max_tokens or the first code block's end",
+    )
     done = _load_checkpoint(checkpoint, shared)
     bar = Progress(len(prefixes) * len(methods) * len(problems), "tasks")
     for prefix in prefixes:
@@ -274,44 +334,85 @@ def tasks(model, tokenizer, methods, problems, prefixes, max_tokens=512, batch=8
         parts = [prompt_parts(tokenizer, p, context) for p in problems]
         shared_ids = parts[0][0]
         for name in methods:
-            todo = [i for i, p in enumerate(problems) if _key(prefix, name, p["task_id"]) not in done]
+            todo = [
+                i for i, p in enumerate(problems) if _key(prefix, name, p["task_id"]) not in done
+            ]
             bar.step(len(problems) - len(todo))
             if not todo:
                 continue
-            base = prefill(model, new_cache(model, name), shared_ids, prefill_step_size) if shared_ids else None
+            base = (
+                prefill(model, new_cache(model, name), shared_ids, prefill_step_size)
+                if shared_ids
+                else None
+            )
             size = batch if batchable(name) else 1
             for s in range(0, len(todo), size):
                 rows = todo[s : s + size]
-                caches = [copy.deepcopy(base) if base is not None else new_cache(model, name) for _ in rows]
+                caches = [
+                    copy.deepcopy(base) if base is not None else new_cache(model, name)
+                    for _ in rows
+                ]
                 t0 = time.perf_counter()
-                outs, finals = generate(model, tokenizer, name, [parts[i][1] for i in rows], caches, max_tokens,
-                                        prefill_step_size)
+                outs, finals = generate(
+                    model,
+                    tokenizer,
+                    name,
+                    [parts[i][1] for i in rows],
+                    caches,
+                    max_tokens,
+                    prefill_step_size,
+                )
                 seconds = time.perf_counter() - t0
                 lines = []
                 for i, out, final in zip(rows, outs, finals):
                     p = problems[i]
                     answer = tokenizer.decode(out)
                     outcome = sandbox.run(program(p, answer), timeout=timeout)
-                    rec = {"task_id": p["task_id"], "passed": outcome.passed, "status": outcome.status,
-                           "answer": answer, "answer_tokens": len(out), "prompt_tokens": len(shared_ids) + len(parts[i][1]),
-                           "quantized_tokens": quantized_tokens(final), "batch_seconds": seconds,
-                           "batch_size": len(rows)}
+                    rec = {
+                        "task_id": p["task_id"],
+                        "passed": outcome.passed,
+                        "status": outcome.status,
+                        "answer": answer,
+                        "answer_tokens": len(out),
+                        "prompt_tokens": len(shared_ids) + len(parts[i][1]),
+                        "quantized_tokens": quantized_tokens(final),
+                        "batch_seconds": seconds,
+                        "batch_size": len(rows),
+                    }
                     if not outcome.passed:
                         rec["output"] = outcome.output[-400:]
                     done[_key(prefix, name, p["task_id"])] = rec
-                    lines.append(json.dumps({"settings": shared, "key": _key(prefix, name, p["task_id"]),
-                                             "record": rec}))
+                    lines.append(
+                        json.dumps(
+                            {
+                                "settings": shared,
+                                "key": _key(prefix, name, p["task_id"]),
+                                "record": rec,
+                            }
+                        )
+                    )
                 if checkpoint:
                     with open(checkpoint, "a") as f:
                         f.write("\n".join(lines) + "\n")
                 bar.step(len(rows))
                 del caches, finals
             del base
-    results = {str(prefix): {name: [done[_key(prefix, name, p["task_id"])] for p in problems] for name in methods}
-               for prefix in prefixes}
-    return {**shared, "methods": methods, "prefixes": prefixes, "problems": [p["task_id"] for p in problems],
-            "batch": batch, "prefill_step_size": prefill_step_size, "results": results,
-            "summary": summarize(results, methods)}
+    results = {
+        str(prefix): {
+            name: [done[_key(prefix, name, p["task_id"])] for p in problems] for name in methods
+        }
+        for prefix in prefixes
+    }
+    return {
+        **shared,
+        "methods": methods,
+        "prefixes": prefixes,
+        "problems": [p["task_id"] for p in problems],
+        "batch": batch,
+        "prefill_step_size": prefill_step_size,
+        "results": results,
+        "summary": summarize(results, methods),
+    }
 
 
 def summarize(results, methods):
@@ -328,8 +429,13 @@ def summarize(results, methods):
             d = paired.paired_difference(ref, got)
             lo, hi = d["interval"]
             out[prefix][m] = {
-                "passed": k, "problems": n, "pass_at_1": k / n if n else float("nan"), "wilson95": wilson(k, n),
-                "difference": d["difference"], "interval95": d["interval"], "p_value": d["p_value"],
+                "passed": k,
+                "problems": n,
+                "pass_at_1": k / n if n else float("nan"),
+                "wilson95": wilson(k, n),
+                "difference": d["difference"],
+                "interval95": d["interval"],
+                "p_value": d["p_value"],
                 "zero_in_interval": lo <= 0 <= hi,
                 "lost": [r["task_id"] for r, f in zip(recs, ref) if f and not r["passed"]],
                 "gained": [r["task_id"] for r, f in zip(recs, ref) if r["passed"] and not f],
@@ -345,25 +451,34 @@ def summarize(results, methods):
 
 
 def _setting(prefix):
-    return "the problem alone" if int(prefix) == 0 else f"after {int(prefix):,} tokens of unrelated Python source"
+    return (
+        "the problem alone"
+        if int(prefix) == 0
+        else f"after {int(prefix):,} tokens of unrelated Python source"
+    )
 
 
 def markdown(res, meta_md):
-    out = ["# Task accuracy: HumanEval pass@1 per KV cache\n", meta_md,
-           f"\n{len(res['problems'])} HumanEval problems ({res['problems'][0]} to {res['problems'][-1]}), the same for "
-           f"every cache; greedy answers of at most {res['max_tokens']} tokens through the model's chat template, ended where their first code block closes, "
-           f"batches of {res['batch']} through mlx-lm's BatchGenerator (mlx-lm's quantized cache, mlxqB, one "
-           f"problem at a time); each answer's function run against the problem's tests in a sandbox "
-           f"(timeout {res['timeout']:g} s). Pass@1 interval: 95% Wilson. Difference: pass@1 minus the plain "
-           "cache's (fp) on the same problems, with the exact 95% interval conditional on the problems where "
-           "the two disagree (Clopper-Pearson) and McNemar's exact p-value; 'lost' = problems fp passes and the "
-           "cache fails, 'gained' = the reverse. Quantized: tokens a cache held quantized when its answer "
-           "ended (mean over problems).\n"]
+    out = [
+        "# Task accuracy: HumanEval pass@1 per KV cache\n",
+        meta_md,
+        f"\n{len(res['problems'])} HumanEval problems ({res['problems'][0]} to {res['problems'][-1]}), the same for "
+        f"every cache; greedy answers of at most {res['max_tokens']} tokens through the model's chat template, ended where their first code block closes, "
+        f"batches of {res['batch']} through mlx-lm's BatchGenerator (mlx-lm's quantized cache, mlxqB, one "
+        f"problem at a time); each answer's function run against the problem's tests in a sandbox "
+        f"(timeout {res['timeout']:g} s). Pass@1 interval: 95% Wilson. Difference: pass@1 minus the plain "
+        "cache's (fp) on the same problems, with the exact 95% interval conditional on the problems where "
+        "the two disagree (Clopper-Pearson) and McNemar's exact p-value; 'lost' = problems fp passes and the "
+        "cache fails, 'gained' = the reverse. Quantized: tokens a cache held quantized when its answer "
+        "ended (mean over problems).\n",
+    ]
     for prefix, rows in res["summary"].items():
-        out += [f"\n## {_setting(prefix)}\n",
-                "| cache | K/V bits | passed | pass@1 | 95% interval | difference to fp | exact 95% interval | "
-                "McNemar p | lost | gained | 0 in interval | prompt tokens | answer tokens | quantized tokens |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            f"\n## {_setting(prefix)}\n",
+            "| cache | K/V bits | passed | pass@1 | 95% interval | difference to fp | exact 95% interval | "
+            "McNemar p | lost | gained | 0 in interval | prompt tokens | answer tokens | quantized tokens |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for m, r in rows.items():
             lo, hi = r["wilson95"]
             dlo, dhi = r["interval95"]
@@ -372,15 +487,19 @@ def markdown(res, meta_md):
             else:
                 diff, interval = f"{r['difference']:+.3f}", f"[{dlo:+.3f}, {dhi:+.3f}]"
                 p, within = f"{r['p_value']:.3g}", "yes" if r["zero_in_interval"] else "NO"
-            out.append(f"| {m} | {method_bits(m)} | {r['passed']}/{r['problems']} | {r['pass_at_1']:.3f} | "
-                       f"[{lo:.3f}, {hi:.3f}] | {diff} | {interval} | {p} | {len(r['lost'])} | {len(r['gained'])} | "
-                       f"{within} | {r['mean_prompt_tokens']:.0f} | {r['mean_answer_tokens']:.0f} | "
-                       f"{r['mean_quantized_tokens']:.0f} |")
+            out.append(
+                f"| {m} | {method_bits(m)} | {r['passed']}/{r['problems']} | {r['pass_at_1']:.3f} | "
+                f"[{lo:.3f}, {hi:.3f}] | {diff} | {interval} | {p} | {len(r['lost'])} | {len(r['gained'])} | "
+                f"{within} | {r['mean_prompt_tokens']:.0f} | {r['mean_answer_tokens']:.0f} | "
+                f"{r['mean_quantized_tokens']:.0f} |"
+            )
         flips = [(m, r) for m, r in rows.items() if r["lost"] or r["gained"]]
         if flips:
             out.append("\nProblems that flip against fp:\n")
             for m, r in flips:
-                out.append(f"- {m}: lost {', '.join(r['lost']) or 'none'}; gained {', '.join(r['gained']) or 'none'}")
+                out.append(
+                    f"- {m}: lost {', '.join(r['lost']) or 'none'}; gained {', '.join(r['gained']) or 'none'}"
+                )
     return "\n".join(out) + "\n"
 
 
@@ -399,12 +518,27 @@ def plots(res, outdir):
     for j, prefix in enumerate(prefixes):
         rows = res["summary"][prefix]
         p = np.array([rows[m]["pass_at_1"] for m in methods])
-        err = np.array([[p[i] - rows[m]["wilson95"][0], rows[m]["wilson95"][1] - p[i]] for i, m in enumerate(methods)]).T
-        label = "alone" if int(prefix) == 0 else f"after {int(prefix) // 1024}K" if int(prefix) % 1024 == 0 \
+        err = np.array(
+            [
+                [p[i] - rows[m]["wilson95"][0], rows[m]["wilson95"][1] - p[i]]
+                for i, m in enumerate(methods)
+            ]
+        ).T
+        label = (
+            "alone"
+            if int(prefix) == 0
+            else f"after {int(prefix) // 1024}K"
+            if int(prefix) % 1024 == 0
             else f"after {prefix}"
+        )
         a.bar(x + j * width, p, width, yerr=err, capsize=3, label=label)
         d = np.array([rows[m]["difference"] for m in methods])
-        derr = np.array([[d[i] - rows[m]["interval95"][0], rows[m]["interval95"][1] - d[i]] for i, m in enumerate(methods)]).T
+        derr = np.array(
+            [
+                [d[i] - rows[m]["interval95"][0], rows[m]["interval95"][1] - d[i]]
+                for i, m in enumerate(methods)
+            ]
+        ).T
         b.errorbar(x[1:] + j * width, d[1:], yerr=derr[:, 1:], fmt="o", capsize=4, label=label)
     for ax in (a, b):
         ax.set_xticks(x + width * (len(prefixes) - 1) / 2, methods, fontsize=8)
