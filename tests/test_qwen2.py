@@ -315,3 +315,25 @@ def test_k_quant_tensors_are_read_as_llama_cpp_dequantizes_them(tmp_path):
     got = np.array(tensors["blk.0.attn_q.weight"])
     assert got.shape == (rows, blocks * 256)
     assert np.array_equal(got, quants.dequantize(raw, T.Q4_K))
+
+
+def test_q4_1_and_q8_0_files_are_read_by_mx_load(tmp_path):
+    # SmolLM2's file (Q4_1 weights, Q8_0 embeddings, F32 norms): mx.load's affine
+    # blocks, whose scales are float16, as every converted SmolLM2 folder was made.
+    import gguf as gguf_py
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    rng = np.random.default_rng(2)
+    w = gguf_py.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
+    for name, q in [("blk.0.attn_q.weight", T.Q4_1), ("token_embd.weight", T.Q8_0)]:
+        x = rng.normal(size=(8, 64)).astype(np.float32)
+        w.add_tensor(name, quants.quantize(x, q), raw_dtype=q)
+    w.add_tensor("blk.0.attn_norm.weight", rng.normal(size=(64,)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tensors, _ = convert.read_gguf(tmp_path / "q.gguf")
+    assert tensors["blk.0.attn_q.scales"].dtype == mx.float16
+    assert "token_embd.scales" in tensors

@@ -21,7 +21,9 @@ from .tokenizer import build_tokenizer
 
 # Bump when the conversion output changes, so cached folders are redone.
 # 2: K-quant and Q5_0 files always through the gguf package (MLX's Q4_K is wrong).
-CONVERTER_VERSION = 2
+# 3: Q4_0/Q4_1/Q8_0 files through mx.load again, as in 1 (2 sent them to the gguf
+#    package too, which changed SmolLM2's weights in the last float16 bit).
+CONVERTER_VERSION = 3
 
 
 def _python_value(v):
@@ -41,9 +43,17 @@ def read_gguf(path):
     """
     try:
         tensors, metadata = mx.load(str(path), return_metadata=True)
-        # float16 is either an F16 tensor or one mx.load dequantized itself
-        # (K-quants, Q5_0), which it may get wrong: the gguf package reads both.
-        if not any(t.dtype == mx.float16 for t in tensors.values()):
+        # A float16 weight with no scales beside it is an F16 tensor or one mx.load
+        # dequantized itself (K-quants, Q5_0), which it may get wrong: the gguf
+        # package reads both. (Q4_0/Q4_1/Q8_0 scales and biases are float16 too.)
+        dequantized = [
+            k
+            for k, t in tensors.items()
+            if t.dtype == mx.float16
+            and k.endswith(".weight")
+            and k.removesuffix(".weight") + ".scales" not in tensors
+        ]
+        if not dequantized:
             return tensors, {k: _python_value(v) for k, v in metadata.items()}
         mlx_error = "K-quant, Q5_0 or F16 tensors"
     except Exception as e:
@@ -64,9 +74,7 @@ def read_gguf(path):
 
 def _read_with_gguf(gguf, path):
     reader = gguf.GGUFReader(str(path))
-    metadata = {
-        k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")
-    }
+    metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     tensors = {
         t.name: mx.array(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
         for t in reader.tensors
