@@ -13,12 +13,12 @@ minutes on CPU), then the model decodes --steps tokens through its real
 attention path: packed attention for KVarN, mlx-lm's quantized attention for
 QuantizedKVCache. The share of decode time spent quantizing tiles: the time
 of the update that commits one tile in every layer (K/V projections and
-attention not included), through
-the caches' own path (one dispatch.quantize call for all layers, commits.py;
-the Metal kernel where there is one), spread over the G decode steps that fill
-it, against the measured decode step. CPU caveat: MLX's CPU quantized matmul is slow and single-threaded
-while float32 matmul runs on OpenBLAS, so these ratios say nothing about
-Apple silicon, where the quantized kernels are fast.
+attention not included), through the caches' own path (one dispatch.quantize
+call for all layers, commits.py; the Metal kernel where there is one), spread
+over the G decode steps that fill it, against the measured decode step. CPU
+caveat: MLX's CPU quantized matmul is slow and single-threaded while float32
+matmul runs on OpenBLAS, so these ratios say nothing about Apple silicon, where
+the quantized kernels are fast.
 """
 
 import argparse
@@ -63,7 +63,11 @@ def fill(caches, H, D, ctx, chunk=1024, seed=0):
         for c in caches:
             out = c.update_and_fetch(k, v)
             # KVarNCache returns a lazy dequantized view: evaluate only what it stores.
-            mx.eval([x for x in c.state.values() if isinstance(x, mx.array)] if isinstance(c, KVarNCache) else out)
+            mx.eval(
+                [x for x in c.state.values() if isinstance(x, mx.array)]
+                if isinstance(c, KVarNCache)
+                else out
+            )
 
 
 def held_bytes(caches):
@@ -113,7 +117,8 @@ def tile_overhead(n_layers, H, D, cfg, reps=5):
             return time.perf_counter() - t0
 
         for x in caches:
-            x.update_and_fetch(first, first)  # the sink and a first tile ("auto": decided at the next update)
+            # the sink and a first tile ("auto": decided at the next update)
+            x.update_and_fetch(first, first)
         out = []
         for _ in range(reps):
             while caches[0].n_tail < G:  # the tails fill: the next update commits
@@ -135,8 +140,14 @@ def per_layer_calls(n_layers, H, D, cfg, reps=5):
 
     def once():
         t0 = time.perf_counter()
-        mx.eval([dispatch.quantize(x, x, cfg, bool(cfg.rotate_keys) and rotate, cfg.rotate_values and rotate).arrays()
-                 for _ in range(n_layers)])
+        mx.eval(
+            [
+                dispatch.quantize(
+                    x, x, cfg, bool(cfg.rotate_keys) and rotate, cfg.rotate_values and rotate
+                ).arrays()
+                for _ in range(n_layers)
+            ]
+        )
         return time.perf_counter() - t0
 
     once()
@@ -144,37 +155,57 @@ def per_layer_calls(n_layers, H, D, cfg, reps=5):
 
 
 def render(data):
-    md = ["# Decode speed and memory vs context\n", meta_markdown(data["meta"]),
-          f"\nTokens/s from the median seconds per decode step over {data['steps']} steps (after 2 warm-up steps), caches filled with "
-          "random K/V to the context. fp = mlx-lm KVCache holding the model's float32 K/V; mlxqB = mlx-lm "
-          "QuantizedKVCache (group 64, B bits, its own quantized attention, no sink/tail); KVarN presets use packed "
-          "attention. Methods decode round-robin, one step each in turn, so load from other processes hits all "
-          "alike (absolute tok/s are noisy when other jobs share the machine, ratios less so). Cache bytes are "
-          "measured from the held arrays; 'vs fp16' compares with a 2-byte fp16 KVCache (half the float32 one). "
-          "Process peak memory is in the json. **CPU caveat**: MLX's CPU quantized matmul is slow and single-threaded "
-          "while float32 matmul runs on OpenBLAS here (KVarN splits its tiles over two CPU streams); these ratios do "
-          "not predict Apple-silicon speed. 'Graph ms' is the part of the step spent in the model call, where "
-          "Python builds the step's graph (the cache update and attention ops) before anything is evaluated.\n",
-          "| context | method | tok/s | speed vs fp | graph ms | graph vs fp | cache MiB | smaller than fp (float32) | smaller than fp16 |",
-          "|---|---|---|---|---|---|---|---|---|"]
+    md = [
+        "# Decode speed and memory vs context\n",
+        meta_markdown(data["meta"]),
+        f"\nTokens/s from the median seconds per decode step over {data['steps']} steps (after 2 "
+        "warm-up steps), caches filled with random K/V to the context. fp = mlx-lm KVCache "
+        "holding the model's float32 K/V; mlxqB = mlx-lm QuantizedKVCache (group 64, B bits, "
+        "its own quantized attention, no sink/tail); KVarN presets use packed attention. "
+        "Methods decode round-robin, one step each in turn, so load from other processes hits "
+        "all alike (absolute tok/s are noisy when other jobs share the machine, ratios less "
+        "so). Cache bytes are measured from the held arrays; 'vs fp16' compares with a 2-byte "
+        "fp16 KVCache (half the float32 one). Process peak memory is in the json. **CPU "
+        "caveat**: MLX's CPU quantized matmul is slow and single-threaded while float32 matmul "
+        "runs on OpenBLAS here (KVarN splits its tiles over two CPU streams); these ratios do "
+        "not predict Apple-silicon speed. 'Graph ms' is the part of the step spent in the model "
+        "call, where Python builds the step's graph (the cache update and attention ops) before "
+        "anything is evaluated.\n",
+        "| context | method | tok/s | speed vs fp | graph ms | graph vs fp | cache MiB | "
+        "smaller than fp (float32) | smaller than fp16 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in data["rows"]:
-        graph = (f"{1000 * r['build_s']:.1f} | {r['build_vs_fp']:.2f}x" if "build_s" in r else "- | -")
-        md.append(f"| {r['context']} | {r['method']} | {r['tokens_per_s']:.2f} | {r['speed_vs_fp']:.2f}x | {graph} | "
-                  f"{r['cache_bytes'] / 2**20:.1f} | {r['bytes_vs_fp']:.2f}x | {r['bytes_vs_fp'] / 2:.2f}x |")
-    md += ["\n## Tile-quantization overhead\n",
-           "Time of the cache updates that quantize one tile in every layer (rotation + normalization + RTN + packing, "
-           "K and V; the whole update, so a bound from above), through the caches' own path (all layers' waiting tiles in one call, "
-           f"kvarn_mlx/commits.py; dispatch.quantize: {data.get('quantize_path', 'MLX ops')}), spread over the G decode "
-           "steps that fill it, as a fraction of the measured decode step time at that context. The paper reports "
-           "0.18% for the 8 normalization iterations on GPU.\n",
-           "'One call per layer' is the same quantization as one dispatch.quantize call per layer in one graph, how "
-           "a step committed its layers' tiles before the one-call commit (same run).\n",
-           "| method | context | one tile, all layers (s) | one call per layer (s) | same, iters=0 (s) | fraction of decode | normalization alone |",
-           "|---|---|---|---|---|---|---|"]
+        graph = (
+            f"{1000 * r['build_s']:.1f} | {r['build_vs_fp']:.2f}x" if "build_s" in r else "- | -"
+        )
+        md.append(
+            f"| {r['context']} | {r['method']} | {r['tokens_per_s']:.2f} | "
+            f"{r['speed_vs_fp']:.2f}x | {graph} | {r['cache_bytes'] / 2**20:.1f} | "
+            f"{r['bytes_vs_fp']:.2f}x | {r['bytes_vs_fp'] / 2:.2f}x |"
+        )
+    md += [
+        "\n## Tile-quantization overhead\n",
+        "Time of the cache updates that quantize one tile in every layer (rotation + "
+        "normalization + RTN + packing, K and V; the whole update, so a bound from above), "
+        "through the caches' own path (all layers' waiting tiles in one call, "
+        f"kvarn_mlx/commits.py; dispatch.quantize: {data.get('quantize_path', 'MLX ops')}), "
+        "spread over the G decode steps that fill it, as a fraction of the measured decode "
+        "step time at that context. "
+        "The paper reports 0.18% for the 8 normalization iterations on GPU.\n",
+        "'One call per layer' is the same quantization as one dispatch.quantize call per layer "
+        "in one graph, "
+        "how a step committed its layers' tiles before the one-call commit (same run).\n",
+        "| method | context | one tile, all layers (s) | one call per layer (s) | same, iters=0 "
+        "(s) | fraction of decode | normalization alone |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for o in data["overhead"]:
-        md.append(f"| {o['method']} | {o['context']} | {o['tile_s_all_layers']:.4f} | {o['tile_s_per_layer_calls']:.4f} | "
-                  f"{o['tile_s_all_layers_iters0']:.4f} | {100 * o['fraction_of_decode']:.2f}% | "
-                  f"{100 * o['normalization_fraction']:.2f}% |")
+        md.append(
+            f"| {o['method']} | {o['context']} | {o['tile_s_all_layers']:.4f} | "
+            f"{o['tile_s_per_layer_calls']:.4f} | {o['tile_s_all_layers_iters0']:.4f} | "
+            f"{100 * o['fraction_of_decode']:.2f}% | {100 * o['normalization_fraction']:.2f}% |"
+        )
     return "\n".join(md) + "\n"
 
 
@@ -185,7 +216,9 @@ def main(argv=None):
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--tag", default=None, help="suffix for the output files (decode_speed_<tag>.md)")
+    p.add_argument(
+        "--tag", default=None, help="suffix for the output files (decode_speed_<tag>.md)"
+    )
     p.add_argument("--quick", action="store_true", help=f"tiny run for CI: {QUICK}")
     p.add_argument("--render", default=None, help="only rewrite the markdown from this json")
     args = p.parse_args(argv)
@@ -215,8 +248,16 @@ def main(argv=None):
         mx.reset_peak_memory()
         secs = decode_rates(model, all_caches, args.steps)
         for m, caches, (sec, build) in zip(methods, all_caches, secs):
-            rows.append({"context": ctx, "method": m, "s_per_token": sec, "tokens_per_s": 1 / sec,
-                         "build_s": build, "cache_bytes": held_bytes(caches)})
+            rows.append(
+                {
+                    "context": ctx,
+                    "method": m,
+                    "s_per_token": sec,
+                    "tokens_per_s": 1 / sec,
+                    "build_s": build,
+                    "cache_bytes": held_bytes(caches),
+                }
+            )
         rows[-1]["peak_memory_all_methods"] = mx.get_peak_memory()
         del all_caches
         bar.step(len(methods))
@@ -236,19 +277,41 @@ def main(argv=None):
         for r in rows:
             if r["method"] == m:
                 per_tok = full / cfg.group_size
-                overhead.append({"method": m, "context": r["context"], "tile_s_all_layers": full,
-                                 "tile_s_per_layer_calls": per_layer,
-                                 "tile_s_all_layers_iters0": no_norm,
-                                 "fraction_of_decode": per_tok / r["s_per_token"],
-                                 "normalization_fraction": (full - no_norm) / cfg.group_size / r["s_per_token"]})
+                overhead.append(
+                    {
+                        "method": m,
+                        "context": r["context"],
+                        "tile_s_all_layers": full,
+                        "tile_s_per_layer_calls": per_layer,
+                        "tile_s_all_layers_iters0": no_norm,
+                        "fraction_of_decode": per_tok / r["s_per_token"],
+                        "normalization_fraction": (full - no_norm)
+                        / cfg.group_size
+                        / r["s_per_token"],
+                    }
+                )
 
-    meta = metadata(name, "python benchmarks/decode_speed.py " + " ".join(sys.argv[1:] if argv is None else argv))
-    path = "Metal kernel" + (" (MSL emulator)" if dispatch.emulated() else "") if dispatch.use_metal() else "MLX ops"
+    meta = metadata(
+        name,
+        "python benchmarks/decode_speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    )
+    path = (
+        "Metal kernel" + (" (MSL emulator)" if dispatch.emulated() else "")
+        if dispatch.use_metal()
+        else "MLX ops"
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "decode_speed" + (f"_{args.tag}" if args.tag else "")
-    md = render({"meta": meta, "rows": rows, "overhead": overhead, "steps": args.steps,
-                 "quantize_path": path}).split("\n")
+    md = render(
+        {
+            "meta": meta,
+            "rows": rows,
+            "overhead": overhead,
+            "steps": args.steps,
+            "quantize_path": path,
+        }
+    ).split("\n")
     plt = pyplot()
     plots = []
     if plt is not None:
@@ -256,9 +319,23 @@ def main(argv=None):
         for m in methods:
             rr = [r for r in rows if r["method"] == m]
             axes[0].plot([r["context"] for r in rr], [r["tokens_per_s"] for r in rr], "o-", label=m)
-            axes[1].plot([r["context"] for r in rr], [r["cache_bytes"] / 2**20 for r in rr], "o-", label=m)
-        axes[0].set(xscale="log", yscale="log", xlabel="context", ylabel="decode tokens/s", title="decode speed (CPU)")
-        axes[1].set(xscale="log", yscale="log", xlabel="context", ylabel="KV cache MiB (measured)", title="cache memory")
+            axes[1].plot(
+                [r["context"] for r in rr], [r["cache_bytes"] / 2**20 for r in rr], "o-", label=m
+            )
+        axes[0].set(
+            xscale="log",
+            yscale="log",
+            xlabel="context",
+            ylabel="decode tokens/s",
+            title="decode speed (CPU)",
+        )
+        axes[1].set(
+            xscale="log",
+            yscale="log",
+            xlabel="context",
+            ylabel="KV cache MiB (measured)",
+            title="cache memory",
+        )
         for ax in axes:
             ax.legend(fontsize=7)
         fig.tight_layout()
@@ -267,8 +344,19 @@ def main(argv=None):
         md.append(f"\n![{stem}.png]({stem}.png)")
     text = "\n".join(md) + "\n"
     (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "overhead": overhead, "plots": plots,
-                                                       "steps": args.steps, "quantize_path": path}, indent=1))
+    (out / f"{stem}.json").write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "rows": rows,
+                "overhead": overhead,
+                "plots": plots,
+                "steps": args.steps,
+                "quantize_path": path,
+            },
+            indent=1,
+        )
+    )
     print(text)
 
 

@@ -115,7 +115,9 @@ _STAND_INS = {
     "metal_kernel": _KernelStandIn,
     "rms_norm": lambda x, weight, eps: _like(x, weight),
     "layer_norm": lambda x, weight, bias, eps: _like(x, weight, bias),
-    "rope": lambda a, dims, *, traditional, base, scale, offset, freqs=None: _like(a, offset, freqs),
+    "rope": lambda a, dims, *, traditional, base, scale, offset, freqs=None: _like(
+        a, offset, freqs
+    ),
     "scaled_dot_product_attention": _sdpa,
 }
 
@@ -138,6 +140,7 @@ def metal_graph():
 
 # -- running -------------------------------------------------------------------------
 
+
 def make(model, name):
     return mlx_cache.make_prompt_cache(model) if name == PLAIN else make_cache(model, name)
 
@@ -152,7 +155,11 @@ def fill(caches, H, D, n, chunk=1024, seed=0):
         v = mx.random.normal((1, H, m, D), key=k2)
         for c in caches:
             out = c.update_and_fetch(k, v)
-            mx.eval([x for x in c.state.values() if isinstance(x, mx.array)] if isinstance(c, KVarNCache) else out)
+            mx.eval(
+                [x for x in c.state.values() if isinstance(x, mx.array)]
+                if isinstance(c, KVarNCache)
+                else out
+            )
 
 
 def row_lengths(ctx, rows):
@@ -211,31 +218,47 @@ def run(model, methods, ctx, steps, count=True, rows=0):
 def summarize(path, ctx, method, measured, rows=0):
     normal = [m for m in measured if not m[3]]
     commit = [m for m in measured if m[3]]
-    r = {"path": path, "context": ctx, "method": method, "rows": rows,
-         "primitives": int(np.median([m[0] for m in normal])),
-         "primitives_range": [min(m[0] for m in normal), max(m[0] for m in normal)],
-         "build_s": float(np.median([m[2] for m in normal])),
-         "by_primitive": dict(normal[len(normal) // 2][1].most_common())}
+    r = {
+        "path": path,
+        "context": ctx,
+        "method": method,
+        "rows": rows,
+        "primitives": int(np.median([m[0] for m in normal])),
+        "primitives_range": [min(m[0] for m in normal), max(m[0] for m in normal)],
+        "build_s": float(np.median([m[2] for m in normal])),
+        "by_primitive": dict(normal[len(normal) // 2][1].most_common()),
+    }
     if commit:  # the heaviest of the steps that quantized tiles
         worst = max(commit, key=lambda m: m[0])
-        r.update(commit_steps=len(commit), commit_primitives=worst[0], commit_build_s=max(m[2] for m in commit),
-                 commit_by_primitive=dict(worst[1].most_common()))
+        r.update(
+            commit_steps=len(commit),
+            commit_primitives=worst[0],
+            commit_build_s=max(m[2] for m in commit),
+            commit_by_primitive=dict(worst[1].most_common()),
+        )
     return r
 
 
 def render(data, times=True):
-    md = ["# One decode step's graph: primitives and host build time\n", meta_markdown(data["meta"]),
-          f"\nPer decode step of the model ({data['steps']} steps after {WARMUP} warm-up steps, caches filled "
-          "with random K/V): the primitives in the step's graph (mx.export_to_dot from the next token; "
-          "deterministic) and the host time to build it (the model call before evaluation; median). 'ops': the "
-          "MLX ops path this CPU runs. 'metal': the graph the Metal path builds (kernels and mx.fast ops one "
-          "primitive each, as on a GPU; see benchmarks/step_graph.py). 'commit step': the heaviest of the steps "
-          "that quantize the tiles the first measured step completed (its primitives, and the longest build). Ratios against the plain cache (fp) of the same "
-          "path and context.\n"]
+    md = [
+        "# One decode step's graph: primitives and host build time\n",
+        meta_markdown(data["meta"]),
+        f"\nPer decode step of the model ({data['steps']} steps after {WARMUP} warm-up steps, "
+        "caches filled with random K/V): the primitives in the step's graph (mx.export_to_dot "
+        "from the next token; deterministic) and the host time to build it (the model call "
+        "before evaluation; median). 'ops': the MLX ops path this CPU runs. 'metal': the graph "
+        "the Metal path builds (kernels and mx.fast ops one primitive each, as on a GPU; see "
+        "benchmarks/step_graph.py). 'commit step': the heaviest of the steps that quantize the "
+        "tiles the first measured step completed (its primitives, and the longest build). "
+        "Ratios against the plain cache (fp) of the same path and context.\n",
+    ]
     if data.get("batch_rows"):
-        md.append(f"Batched: {data['batch_rows']} sequences decoding together (mlx-lm's merge: BatchKVCache for fp, "
-                  "BatchKVarNCache for KVarN); 'context' is the longest row, the others are shorter by steps of "
-                  "context / (2 x rows) tokens (step_graph.row_lengths).\n")
+        md.append(
+            f"Batched: {data['batch_rows']} sequences decoding together (mlx-lm's merge: "
+            "BatchKVCache for fp, BatchKVarNCache for KVarN); 'context' is the longest row, the "
+            "others are shorter by steps of context / (2 x rows) tokens "
+            "(step_graph.row_lengths).\n"
+        )
     head = "| path | context | method | primitives | vs fp | commit step | vs fp |"
     rule = "|---|---|---|---|---|---|---|"
     if times:
@@ -243,14 +266,26 @@ def render(data, times=True):
         rule += "---|---|---|---|"
     md += [head, rule]
     for r in data["rows"]:
-        base = next(b for b in data["rows"] if (b["path"], b["context"], b["method"]) == (r["path"], r["context"], PLAIN))
-        commit = (f"{r['commit_primitives']} | {r['commit_primitives'] / base['primitives']:.2f}x"
-                  if "commit_primitives" in r else "- | -")
-        line = (f"| {r['path']} | {r['context']} | {r['method']} | {r['primitives']} | "
-                f"{r['primitives'] / base['primitives']:.2f}x | {commit} |")
+        base = next(
+            b
+            for b in data["rows"]
+            if (b["path"], b["context"], b["method"]) == (r["path"], r["context"], PLAIN)
+        )
+        commit = (
+            f"{r['commit_primitives']} | {r['commit_primitives'] / base['primitives']:.2f}x"
+            if "commit_primitives" in r
+            else "- | -"
+        )
+        line = (
+            f"| {r['path']} | {r['context']} | {r['method']} | {r['primitives']} | "
+            f"{r['primitives'] / base['primitives']:.2f}x | {commit} |"
+        )
         if times:
-            cb = (f"{1000 * r['commit_build_s']:.1f} | {r['commit_build_s'] / base['build_s']:.2f}x"
-                  if "commit_build_s" in r else "- | -")
+            cb = (
+                f"{1000 * r['commit_build_s']:.1f} | {r['commit_build_s'] / base['build_s']:.2f}x"
+                if "commit_build_s" in r
+                else "- | -"
+            )
             line += f" {1000 * r['build_s']:.1f} | {r['build_s'] / base['build_s']:.2f}x | {cb} |"
         md.append(line)
     return "\n".join(md) + "\n"
@@ -258,13 +293,27 @@ def render(data, times=True):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="model folder or Hub id (default: the embedded model)")
+    p.add_argument(
+        "--model", default=None, help="model folder or Hub id (default: the embedded model)"
+    )
     p.add_argument("--contexts", default="2048,8192,32768")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--paths", default=",".join(PATHS))
-    p.add_argument("--steps", type=int, default=8, help="measured decode steps per method (after 2 warm-up steps)")
-    p.add_argument("--rows", type=int, default=0, help="decode this many sequences as one batch (default: one, no batch)")
-    p.add_argument("--counts-only", action="store_true", help="leave the host build times out of the markdown")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=8,
+        help="measured decode steps per method (after 2 warm-up steps)",
+    )
+    p.add_argument(
+        "--rows",
+        type=int,
+        default=0,
+        help="decode this many sequences as one batch (default: one, no batch)",
+    )
+    p.add_argument(
+        "--counts-only", action="store_true", help="leave the host build times out of the markdown"
+    )
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="suffix for the output files (step_graph_<tag>.md)")
     p.add_argument("--quick", action="store_true", help=f"tiny run for CI: {QUICK}")
@@ -289,11 +338,21 @@ def main(argv=None):
             for m, steps in zip(methods, measured):
                 rows.append(summarize(path, ctx, m, steps, args.rows))
                 r = rows[-1]
-                print(f"{path} {ctx} {m}: {r['primitives']} primitives, build {1000 * r['build_s']:.1f} ms"
-                      + (f", commit step {r['commit_primitives']} / {1000 * r['commit_build_s']:.1f} ms"
-                         if "commit_primitives" in r else ""), file=sys.stderr)
+                print(
+                    f"{path} {ctx} {m}: {r['primitives']} primitives, build "
+                    f"{1000 * r['build_s']:.1f} ms"
+                    + (
+                        f", commit step {r['commit_primitives']} / "
+                        f"{1000 * r['commit_build_s']:.1f} ms"
+                        if "commit_primitives" in r
+                        else ""
+                    ),
+                    file=sys.stderr,
+                )
     name = args.model or "SmolLM2-135M-Instruct (embedded, float32)"
-    meta = metadata(name, "python benchmarks/step_graph.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    meta = metadata(
+        name, "python benchmarks/step_graph.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    )
     data = {"meta": meta, "steps": args.steps, "rows": rows}
     if args.rows:
         data["batch_rows"] = args.rows

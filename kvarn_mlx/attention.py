@@ -57,10 +57,17 @@ def _split_step(queries, view, scale, sinks):
     then sees what it would have seen decoding one token at a time."""
     L, a = queries.shape[2], view.split
     n = L - a  # the later rows' tokens, which the first rows do not see
-    first = replace(view, recent_k=view.recent_k[..., :-n, :], recent_v=view.recent_v[..., :-n, :], later=None)
+    first = replace(
+        view, recent_k=view.recent_k[..., :-n, :], recent_v=view.recent_v[..., :-n, :], later=None
+    )
     causal = lambda rows: "causal" if rows > 1 else None
-    return mx.concatenate([attend_view(queries[:, :, :a], first, scale, causal(a), sinks),
-                           attend_view(queries[:, :, a:], view.later, scale, causal(n), sinks)], axis=2)
+    return mx.concatenate(
+        [
+            attend_view(queries[:, :, :a], first, scale, causal(a), sinks),
+            attend_view(queries[:, :, a:], view.later, scale, causal(n), sinks),
+        ],
+        axis=2,
+    )
 
 
 def attend(queries, view: StepView, scale, mask=None, sinks=None):
@@ -103,7 +110,9 @@ def attend(queries, view: StepView, scale, mask=None, sinks=None):
     if R:
         parts.append(dense(rk, rv, mask_recent))
     if sinks is not None:  # a learned sink logit per query head: takes mass, adds no value
-        sink_logit = mx.broadcast_to(sinks.astype(f32).reshape(1, H, n_rep, 1), (B, H, n_rep, L)).reshape(B, H, rows, 1)
+        sink_logit = mx.broadcast_to(
+            sinks.astype(f32).reshape(1, H, n_rep, 1), (B, H, n_rep, L)
+        ).reshape(B, H, rows, 1)
         parts.append((sink_logit, mx.ones_like(sink_logit), mx.zeros((B, H, rows, D), f32)))
     m, total, o = _merge(parts)
     return (o / total).reshape(B, Hq, L, D).astype(queries.dtype)
@@ -122,15 +131,26 @@ def _tile_part(q_rot, tiles, lo, hi, view, mask, shape):
     B, H, n_rep, L = shape
     k = hi - lo
     G, D = tiles.group_size, q_rot.shape[-1]
-    ka, kb, kt = (fp8.to_float32(x[lo:hi]) for x in (tiles.k_a, tiles.k_b, tiles.k_t))  # scales as float32
-    st = mx.quantized_matmul(q_rot[None], tiles.k_words[lo:hi], ka[..., None], kb[..., None],
-                             transpose=False, group_size=G, bits=view.k_bits)
+    # scales as float32
+    ka, kb, kt = (fp8.to_float32(x[lo:hi]) for x in (tiles.k_a, tiles.k_b, tiles.k_t))
+    st = mx.quantized_matmul(
+        q_rot[None],
+        tiles.k_words[lo:hi],
+        ka[..., None],
+        kb[..., None],
+        transpose=False,
+        group_size=G,
+        bits=view.k_bits,
+    )
     st = st * kt[:, :, :, None, :]  # [k, B, H, rows, G]
     if mask is not None:
         st = _apply_mask(st.reshape(k, B, H, n_rep, L, G), mask).reshape(k, B, H, n_rep * L, G)
 
     def values(e):
-        v = _tile_values(e, tiles, lo, hi, view.v_bits, D) * fp8.to_float32(tiles.v_c[lo:hi])[:, :, :, None, :]
+        v = (
+            _tile_values(e, tiles, lo, hi, view.v_bits, D)
+            * fp8.to_float32(tiles.v_c[lo:hi])[:, :, :, None, :]
+        )
         return v.sum(axis=0)
 
     m, total, o = _softmax_part(st, values, axes=(0, -1))
@@ -165,7 +185,8 @@ def _tile_ranges(n):
 
 
 def _tile_values(p, tiles, lo, hi, bits, D):
-    """sum_g p[g] * (code[g, d] * a[g] + b[g]) over tiles [lo, hi), p [k, B, H, rows, G]: [k, B, H, rows, D]."""
+    """sum_g p[g] * (code[g, d] * a[g] + b[g]) over tiles [lo, hi), p [k, B, H, rows, G]:
+    [k, B, H, rows, D]."""
     words = tiles.v_words[lo:hi]
     a, b = (fp8.to_float32(x[lo:hi]) for x in (tiles.v_a, tiles.v_b))
     groups = quant.row_groups(a, b, D)
@@ -193,7 +214,11 @@ def _split_mask(mask, L, widths, Hq, H, n_rep):
     if mask.ndim == 4 and mask.shape[1] == Hq and Hq > 1:  # [B or 1, Hq, L, T]
         mask = mask.reshape(mask.shape[0], H, n_rep, *mask.shape[2:])
     else:  # [L, T] or [B or 1, 1, L, T]
-        mask = mask.reshape(*([1] * (5 - mask.ndim)), *mask.shape) if mask.ndim < 4 else mx.expand_dims(mask, 2)
+        mask = (
+            mask.reshape(*([1] * (5 - mask.ndim)), *mask.shape)
+            if mask.ndim < 4
+            else mx.expand_dims(mask, 2)
+        )
     tiles = mask[..., S : S + n * G]
     tiles = mx.moveaxis(tiles.reshape(*tiles.shape[:-1], n, G), -2, 0) if n else None
     return mask[..., :S], tiles, mask[..., S + n * G :]

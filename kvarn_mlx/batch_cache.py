@@ -39,7 +39,8 @@ class BatchKVarNCache(BaseCache):
         if left_padding is not None:
             self.prepare(left_padding=left_padding)
         self._limit = None  # per row, the column its prompt ends at while right-padded
-        self._spans = None  # per row, the query positions [s, e) of the last update that were its own
+        # per row, the query positions [s, e) of the last update that were its own
+        self._spans = None
         self._v_dim = None
 
     @classmethod
@@ -78,7 +79,9 @@ class BatchKVarNCache(BaseCache):
             self._left = [lp + int(p) for lp, p in zip(self._left, _ints(left_padding))]
         if right_padding is not None and max(_ints(right_padding), default=0) > 0:
             if lengths is None:
-                raise ValueError("prepare(right_padding=...) needs lengths= (each row's new tokens)")
+                raise ValueError(
+                    "prepare(right_padding=...) needs lengths= (each row's new tokens)"
+                )
             self._limit = [self._idx + int(n) for n in _ints(lengths)]
 
     def finalize(self):
@@ -89,7 +92,9 @@ class BatchKVarNCache(BaseCache):
             self._limit = None
 
     def make_mask(self, N, return_array=False, window_size=None):
-        mask = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, window_size=window_size)
+        mask = create_causal_mask(
+            N, offset=self._idx, left_padding=self.left_padding, window_size=window_size
+        )
         if window_size is None:
             _causal_masks[id(mask)] = mask
         return mask
@@ -102,7 +107,9 @@ class BatchKVarNCache(BaseCache):
         padding) for code that bypasses the patched attention entry point."""
         B, H, L, _ = keys.shape
         if B != len(self.rows):
-            raise ValueError(f"this BatchKVarNCache holds {len(self.rows)} sequences; got keys of batch {B}")
+            raise ValueError(
+                f"this BatchKVarNCache holds {len(self.rows)} sequences; got keys of batch {B}"
+            )
         prev = self._idx
         self._idx += L
         self._v_dim = values.shape[-1]
@@ -113,11 +120,15 @@ class BatchKVarNCache(BaseCache):
             e = max(s, e)
             self._spans.append((s, e))
             if e > s:
-                fetched.append(row.update_and_fetch(keys[b : b + 1, :, s:e], values[b : b + 1, :, s:e]))
+                fetched.append(
+                    row.update_and_fetch(keys[b : b + 1, :, s:e], values[b : b + 1, :, s:e])
+                )
             else:
                 fetched.append(None if row.empty() else row.dequantized())
-        k, v = (mx.concatenate([self._in_layout(b, f, i, x) for b, f in enumerate(fetched)])
-                for i, x in ((0, keys), (1, values)))
+        k, v = (
+            mx.concatenate([self._in_layout(b, f, i, x) for b, f in enumerate(fetched)])
+            for i, x in ((0, keys), (1, values))
+        )
         # Each updated row's step (its new tokens in full precision) lives as
         # long as the arrays its cache returned: as long as these.
         weakref.finalize(k, _keep_alive, fetched)
@@ -193,12 +204,17 @@ class BatchKVarNCache(BaseCache):
     def extend(self, other):
         """Append the rows of another batch (right-aligned at the longer write position)."""
         if (self._limit is None) != (other._limit is None):
-            raise ValueError("cannot join a batch in the middle of a right-padded prompt with one that is not")
+            raise ValueError(
+                "cannot join a batch in the middle of a right-padded prompt with one that is not"
+            )
         idx = max(self._idx, other._idx)
-        left = [lp + idx - self._idx for lp in self._left] + [lp + idx - other._idx for lp in other._left]
+        left = [lp + idx - self._idx for lp in self._left] + [
+            lp + idx - other._idx for lp in other._left
+        ]
         if self._limit is not None:
             self._limit = [end + idx - self._idx for end in self._limit] + [
-                end + idx - other._idx for end in other._limit]
+                end + idx - other._idx for end in other._limit
+            ]
         self.rows = self.rows + other.rows
         self._left, self._idx = left, idx
         self._spans = None
@@ -216,7 +232,11 @@ class BatchKVarNCache(BaseCache):
 
     @property
     def state(self):
-        return {"rows": [r.state for r in self.rows], "left_padding": list(self._left), "idx": self._idx}
+        return {
+            "rows": [r.state for r in self.rows],
+            "left_padding": list(self._left),
+            "idx": self._idx,
+        }
 
     @state.setter
     def state(self, s):

@@ -22,7 +22,16 @@ from .tiles import ARRAYS, StepView, Tiles, append, derived, keep_derived
 
 log = logging.getLogger("kvarn_mlx")
 
-_SETTINGS = ("k_bits", "v_bits", "group_size", "sink", "iters", "scale_dtype", "rotate_keys", "rotate_values")
+_SETTINGS = (
+    "k_bits",
+    "v_bits",
+    "group_size",
+    "sink",
+    "iters",
+    "scale_dtype",
+    "rotate_keys",
+    "rotate_values",
+)
 _warned = set()
 
 
@@ -32,9 +41,12 @@ def _warn_once(msg):
         log.warning(msg)
 
 
-BYPASSED = ("KVarN: the model attends without reading the packed tiles (it calls mx.fast.scaled_dot_product_attention "
-            "itself, or attends on keys and values it derives from the cache's, as latent attention does); it gets "
-            "keys and values dequantized from the tiles, correct but materialized at every step")
+BYPASSED = (
+    "KVarN: the model attends without reading the packed tiles (it calls "
+    "mx.fast.scaled_dot_product_attention itself, or attends on keys and values it derives from "
+    "the cache's, as latent attention does); it gets keys and values dequantized from the tiles, "
+    "correct but materialized at every step"
+)
 
 
 def cannot_hold(config, k_dim, v_dim):
@@ -117,8 +129,10 @@ class KVarNCache(BaseCache):
                 if x.shape[:2] != held.shape[:2] or x.shape[3] != held.shape[3]:
                     b, h, _, d = held.shape
                     raise ValueError(
-                        f"this KVarNCache holds batch {b}, {h} kv heads, head dim {d}; got keys/values of "
-                        f"shape {tuple(x.shape)} (a prompt cache made for another model?)")
+                        f"this KVarNCache holds batch {b}, {h} kv heads, head dim {d}; "
+                        f"got keys/values of shape {tuple(x.shape)} "
+                        "(a prompt cache made for another model?)"
+                    )
         if self.key_candidates is not None:  # no attention call decided: the keys stand in
             self.decide_key_rotation()
         short = L <= self.short_step
@@ -130,8 +144,12 @@ class KVarNCache(BaseCache):
         # It grows by concatenation: at most S tokens ever, and no unused room.
         n = min(L, S - self.n_sink)
         if n > 0:
-            self.sink_k = mx.concatenate([self.sink_k[..., : self.n_sink, :], keys[..., :n, :]], axis=2)
-            self.sink_v = mx.concatenate([self.sink_v[..., : self.n_sink, :], values[..., :n, :]], axis=2)
+            self.sink_k = mx.concatenate(
+                [self.sink_k[..., : self.n_sink, :], keys[..., :n, :]], axis=2
+            )
+            self.sink_v = mx.concatenate(
+                [self.sink_v[..., : self.n_sink, :], values[..., :n, :]], axis=2
+            )
             self.n_sink += n
             keys, values = keys[..., n:, :], values[..., n:, :]
         L = keys.shape[2]
@@ -148,7 +166,10 @@ class KVarNCache(BaseCache):
             rk = mx.concatenate([self.tail_k[..., : self.n_tail, :], keys], axis=2)
             rv = mx.concatenate([self.tail_v[..., : self.n_tail, :], values], axis=2)
             m = rk.shape[2] // G
-            self._append(rk[..., : m * G, :].reshape(B, H, m, G, D), rv[..., : m * G, :].reshape(B, H, m, G, D))
+            self._append(
+                rk[..., : m * G, :].reshape(B, H, m, G, D),
+                rv[..., : m * G, :].reshape(B, H, m, G, D),
+            )
             self._new_tail(rk[..., m * G :, :], rv[..., m * G :, :])
         step = self._view(n_seen, rk, rv)
         if short and self.n_tail > G > self.n_tail - L:  # this step completed a tile
@@ -169,10 +190,14 @@ class KVarNCache(BaseCache):
         c = self.config
         problem = cannot_hold(c, D, values.shape[3])
         if problem:
-            raise ValueError(f"a KVarNCache cannot hold this layer: {problem}. kvarn_mlx.make_cache leaves "
-                             "such layers plain")
+            raise ValueError(
+                f"a KVarNCache cannot hold this layer: {problem}. kvarn_mlx.make_cache leaves "
+                "such layers plain"
+            )
         if not quant.can_rotate(D) and (c.rotate_keys or c.rotate_values):
-            _warn_once(f"head dim {D} has no Hadamard transform in MLX; KVarN runs without rotation there")
+            _warn_once(
+                f"head dim {D} has no Hadamard transform in MLX; KVarN runs without rotation there"
+            )
         self.rotate_k = bool(c.rotate_keys) and quant.can_rotate(D)  # "auto" starts rotated
         self.rotate_v = c.rotate_values and quant.can_rotate(D)
         self.sink_k = mx.zeros((B, H, 0, D), keys.dtype)
@@ -196,7 +221,10 @@ class KVarNCache(BaseCache):
         r = k.shape[2]
         cap = -(-r // self.tail_step) * self.tail_step
         pad = [(0, 0), (0, 0), (0, cap - r), (0, 0)]
-        self.tail_k, self.tail_v = mx.pad(k.astype(self.tail_k.dtype), pad), mx.pad(v.astype(self.tail_v.dtype), pad)
+        self.tail_k, self.tail_v = (
+            mx.pad(k.astype(self.tail_k.dtype), pad),
+            mx.pad(v.astype(self.tail_v.dtype), pad),
+        )
         self.n_tail = r
 
     def _commit(self, short, L=0):
@@ -221,7 +249,9 @@ class KVarNCache(BaseCache):
             self.tiles = append(self.tiles, new, self.step_tiles)
         else:
             B, H, _, D = k.shape
-            self._append(k[..., : m * G, :].reshape(B, H, m, G, D), v[..., : m * G, :].reshape(B, H, m, G, D))
+            self._append(
+                k[..., : m * G, :].reshape(B, H, m, G, D), v[..., : m * G, :].reshape(B, H, m, G, D)
+            )
             if self.key_candidates is not None and short:
                 self.decide_row = 0
         self._new_tail(k[..., m * G :, :], v[..., m * G :, :])
@@ -233,12 +263,17 @@ class KVarNCache(BaseCache):
         full precision. Undecided "auto" key rotation is chosen by query `row`."""
         G = self.config.group_size
         B, H, _, D = self.tail_k.shape
-        self._append(self.tail_k[..., :G, :].reshape(B, H, 1, G, D), self.tail_v[..., :G, :].reshape(B, H, 1, G, D))
+        self._append(
+            self.tail_k[..., :G, :].reshape(B, H, 1, G, D),
+            self.tail_v[..., :G, :].reshape(B, H, 1, G, D),
+        )
         self.tiles.count = n_seen
         self.provisional = "tile"
         if self.key_candidates is not None:
             self.decide_row, self.provisional = row, "first"
-        return self._view(n_seen + 1, self.tail_k[..., G : self.n_tail, :], self.tail_v[..., G : self.n_tail, :])
+        return self._view(
+            n_seen + 1, self.tail_k[..., G : self.n_tail, :], self.tail_v[..., G : self.n_tail, :]
+        )
 
     def commit_key(self):
         """Caches with equal keys quantize their waiting tiles in one call (commits.py);
@@ -250,8 +285,18 @@ class KVarNCache(BaseCache):
         if c.rotate_keys == "auto" and self.rotate_k is True:
             return None
         B, _, _, D = self.tail_k.shape
-        return (c.k_bits, c.v_bits, c.group_size, c.iters, c.scale_dtype, bool(self.rotate_v), B, D,
-                self.tail_k.dtype, self.n_tail // c.group_size)
+        return (
+            c.k_bits,
+            c.v_bits,
+            c.group_size,
+            c.iters,
+            c.scale_dtype,
+            bool(self.rotate_v),
+            B,
+            D,
+            self.tail_k.dtype,
+            self.n_tail // c.group_size,
+        )
 
     def quantize(self, k, v) -> Tiles:
         """Full-precision tiles k, v [B, H, m, G, D] -> their packed Tiles.
@@ -263,7 +308,8 @@ class KVarNCache(BaseCache):
     def _append(self, k_tiles, v_tiles):
         """Quantize tiles [B, H, m, G, D] into storage after the valid ones."""
         c = self.config
-        if c.rotate_keys == "auto" and self.rotate_k is True:  # the first tiles: keep both key variants
+        # the first tiles: keep both key variants
+        if c.rotate_keys == "auto" and self.rotate_k is True:
             self.key_candidates = rotation.candidates(k_tiles, c, self.n_tiles)
             v = dispatch.quantize_values(v_tiles, c.v_bits, c.iters, self.rotate_v, c.scale_dtype)
             new = Tiles(*self.key_candidates.rotated, *v)
@@ -298,8 +344,18 @@ class KVarNCache(BaseCache):
 
     def _view(self, n_tiles, recent_k, recent_v):
         c = self.config
-        return StepView(self.sink_k, self.sink_v, self.tiles if n_tiles else None, n_tiles, recent_k, recent_v,
-                        c.k_bits, c.v_bits, self.rotate_k, self.rotate_v)
+        return StepView(
+            self.sink_k,
+            self.sink_v,
+            self.tiles if n_tiles else None,
+            n_tiles,
+            recent_k,
+            recent_v,
+            c.k_bits,
+            c.v_bits,
+            self.rotate_k,
+            self.rotate_v,
+        )
 
     def fetched(self, keys, values):
         """Whether keys and values are the arrays this step's update_and_fetch
@@ -315,14 +371,18 @@ class KVarNCache(BaseCache):
         self._unread = False
         step = None if self._step is None else self._step()
         if step is None:
-            step = self._view(self.n_tiles, self.tail_k[..., : self.n_tail, :], self.tail_v[..., : self.n_tail, :])
+            step = self._view(
+                self.n_tiles, self.tail_k[..., : self.n_tail, :], self.tail_v[..., : self.n_tail, :]
+            )
         return step
 
     def dequantized(self, step=None):
         """All keys and values in token order, model dtype (lazy: costs nothing unless used)."""
         s = self.step_view() if step is None else step
         head_k, head_v = self._head(s)
-        return mx.concatenate([head_k, s.recent_k], axis=2), mx.concatenate([head_v, s.recent_v], axis=2)
+        return mx.concatenate([head_k, s.recent_k], axis=2), mx.concatenate(
+            [head_v, s.recent_v], axis=2
+        )
 
     def _head(self, s):
         """The view's sink and dequantized tiles in token order, model dtype, lazily.
@@ -337,12 +397,21 @@ class KVarNCache(BaseCache):
         if s.tiles is None or not s.n_tiles:
             return s.sink_k, s.sink_v
         memo = derived(s.tiles)
-        if memo is not None and memo[0] == s.n_tiles and memo[1] is s.sink_k and memo[2] is s.rotate_k:
+        if (
+            memo is not None
+            and memo[0] == s.n_tiles
+            and memo[1] is s.sink_k
+            and memo[2] is s.rotate_k
+        ):
             return memo[3]
         k, v = s.tiles.dequantize(s.k_bits, s.v_bits, s.rotate_k, s.rotate_v, s.n_tiles)
-        head = (mx.concatenate([s.sink_k, k.astype(s.sink_k.dtype)], axis=2),
-                mx.concatenate([s.sink_v, v.astype(s.sink_v.dtype)], axis=2))
-        keep_derived(s.tiles, (s.n_tiles, s.sink_k, s.rotate_k, head) if self._reads_packed else None)
+        head = (
+            mx.concatenate([s.sink_k, k.astype(s.sink_k.dtype)], axis=2),
+            mx.concatenate([s.sink_v, v.astype(s.sink_v.dtype)], axis=2),
+        )
+        keep_derived(
+            s.tiles, (s.n_tiles, s.sink_k, s.rotate_k, head) if self._reads_packed else None
+        )
         return head
 
     # -- mlx-lm cache protocol -------------------------------------------------
@@ -357,7 +426,9 @@ class KVarNCache(BaseCache):
         return True
 
     def make_mask(self, N, return_array=False, window_size=None):
-        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
+        return create_attention_mask(
+            N, offset=self.offset, return_array=return_array, window_size=window_size
+        )
 
     def trim(self, n):
         """Drop the newest n tokens. Exact inside the tail, which holds the tokens
@@ -386,7 +457,9 @@ class KVarNCache(BaseCache):
             self.n_tail = keep - S - self.n_tiles * G
         else:
             i, r = divmod(keep - S, G)
-            k, v = self.tiles.dequantize(self.config.k_bits, self.config.v_bits, self.rotate_k, self.rotate_v, i + 1)
+            k, v = self.tiles.dequantize(
+                self.config.k_bits, self.config.v_bits, self.rotate_k, self.rotate_v, i + 1
+            )
             self._new_tail(k[..., i * G : i * G + r, :], v[..., i * G : i * G + r, :])
             self.tiles.count = i
         self.offset = keep
@@ -413,8 +486,12 @@ class KVarNCache(BaseCache):
         if self.tiles is not None:
             for k, v in self.tiles.nbytes_breakdown().items():
                 out[k] += v
-        for x, n in ((self.sink_k, self.n_sink), (self.sink_v, self.n_sink),
-                     (self.tail_k, self.n_tail), (self.tail_v, self.n_tail)):
+        for x, n in (
+            (self.sink_k, self.n_sink),
+            (self.sink_v, self.n_sink),
+            (self.tail_k, self.n_tail),
+            (self.tail_v, self.n_tail),
+        ):
             used = x.nbytes * n // x.shape[2] if x.shape[2] else 0
             out["sink_tail"] += used
             out["unused"] += x.nbytes - used
@@ -429,11 +506,21 @@ class KVarNCache(BaseCache):
             self.decide_key_rotation()
         c = self.config
         s = {name: getattr(c, name) for name in _SETTINGS}
-        s.update(offset=self.offset, rotate_k=self.rotate_k, rotate_v=self.rotate_v, n_sink=self.n_sink,
-                 n_tiles=self.n_tiles, n_tail=self.n_tail)
+        s.update(
+            offset=self.offset,
+            rotate_k=self.rotate_k,
+            rotate_v=self.rotate_v,
+            n_sink=self.n_sink,
+            n_tiles=self.n_tiles,
+            n_tail=self.n_tail,
+        )
         if not self.empty():
-            s.update(sink_k=self.sink_k[..., : self.n_sink, :], sink_v=self.sink_v[..., : self.n_sink, :],
-                     tail_k=self.tail_k[..., : self.n_tail, :], tail_v=self.tail_v[..., : self.n_tail, :])
+            s.update(
+                sink_k=self.sink_k[..., : self.n_sink, :],
+                sink_v=self.sink_v[..., : self.n_sink, :],
+                tail_k=self.tail_k[..., : self.n_tail, :],
+                tail_v=self.tail_v[..., : self.n_tail, :],
+            )
             if self.n_tiles:
                 s.update(zip(ARRAYS, self.tiles.valid().arrays()))
         return s
@@ -465,13 +552,22 @@ class KVarNCache(BaseCache):
             self.sink_k, self.sink_v = sk, sv
             self.tail_k, self.tail_v = tk, tv
             self.tiles = append(None, Tiles(*(s[name] for name in ARRAYS)), 0) if n_tiles else None
-            ok = (sk.shape[2] == self.n_sink and tk.shape[2] == self.n_tail
-                  and self.offset == self.n_sink + n_tiles * G + self.n_tail
-                  and self.n_tiles == n_tiles)
+            ok = (
+                sk.shape[2] == self.n_sink
+                and tk.shape[2] == self.n_tail
+                and self.offset == self.n_sink + n_tiles * G + self.n_tail
+                and self.n_tiles == n_tiles
+            )
         except (KeyError, ValueError, AttributeError, TypeError) as e:
-            raise ValueError(f"corrupt KVarNCache state in prompt-cache file ({e}); delete it and build the cache again") from e
+            raise ValueError(
+                f"corrupt KVarNCache state in prompt-cache file ({e}); "
+                "delete it and build the cache again"
+            ) from e
         if not ok:
-            raise ValueError("corrupt KVarNCache state: token counts and array shapes disagree; delete the file and build the cache again")
+            raise ValueError(
+                "corrupt KVarNCache state: token counts and array shapes disagree; "
+                "delete the file and build the cache again"
+            )
 
 
 def _keep_alive(*_):

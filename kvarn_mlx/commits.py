@@ -55,7 +55,11 @@ def register(cache):
     after the caches still waiting, PER_STEP a step."""
     waiting = _local.__dict__.setdefault("waiting", [])
     if cache.commit_turn is None:
-        waiting[:] = [(r, s) for r, s in waiting if (c := r()) is not None and c is not cache and s == stamp(c)]
+        waiting[:] = [
+            (r, s)
+            for r, s in waiting
+            if (c := r()) is not None and c is not cache and s == stamp(c)
+        ]
         cache.commit_turn, cache.waited = min(len(waiting) // PER_STEP, MAX_WAIT), 0
     waiting.append((weakref.ref(cache), stamp(cache)))
 
@@ -81,23 +85,37 @@ def take(cache) -> Tiles | None:
         return None
     turn = [k == key and due(c) for c, k in live.values()]
     peers = [c for (c, _), now in zip(live.values(), turn) if now]
-    _local.waiting = [(weakref.ref(c), stamp(c)) for (c, _), now in zip(live.values(), turn) if not now]
+    _local.waiting = [
+        (weakref.ref(c), stamp(c)) for (c, _), now in zip(live.values(), turn) if not now
+    ]
     if len(peers) < 2:
         return None
     m, G = key[-1], cache.config.group_size
     heads = [c.tail_k.shape[1] for c in peers]
 
     def tiles_of(tail):
-        return mx.concatenate([t[..., : m * G, :].reshape(t.shape[0], t.shape[1], m, G, t.shape[3]) for t in tail], axis=1)
+        return mx.concatenate(
+            [t[..., : m * G, :].reshape(t.shape[0], t.shape[1], m, G, t.shape[3]) for t in tail],
+            axis=1,
+        )
 
     flags = [c.rotate_k for c in peers]
     if all(isinstance(f, bool) and f == flags[0] for f in flags):
         rotate_k = flags[0]
     else:
-        rotate_k = mx.concatenate([f if isinstance(f, mx.array) else mx.full((h,), f, mx.bool_)
-                                   for f, h in zip(flags, heads)])
-    new = dispatch.quantize(tiles_of([c.tail_k for c in peers]), tiles_of([c.tail_v for c in peers]),
-                            cache.config, rotate_k, cache.rotate_v)
+        rotate_k = mx.concatenate(
+            [
+                f if isinstance(f, mx.array) else mx.full((h,), f, mx.bool_)
+                for f, h in zip(flags, heads)
+            ]
+        )
+    new = dispatch.quantize(
+        tiles_of([c.tail_k for c in peers]),
+        tiles_of([c.tail_v for c in peers]),
+        cache.config,
+        rotate_k,
+        cache.rotate_v,
+    )
     cuts = [sum(heads[: i + 1]) for i in range(len(heads) - 1)]
     parts = zip(*(mx.split(x, cuts, axis=1) for x in new.arrays()))
     for c, arrays in zip(peers, parts):

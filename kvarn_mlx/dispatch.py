@@ -37,7 +37,9 @@ def get_backend() -> str:
     if _backend is None:
         env = os.environ.get("KVARN_MLX_KERNELS", "auto").strip().lower() or "auto"
         if env not in BACKENDS:
-            _log_once(("env", env), f"KVARN_MLX_KERNELS={env!r} is not one of {BACKENDS}; using 'auto'")
+            _log_once(
+                ("env", env), f"KVARN_MLX_KERNELS={env!r} is not one of {BACKENDS}; using 'auto'"
+            )
             env = "auto"
         _backend = env
     return _backend
@@ -66,7 +68,10 @@ def use_metal() -> bool:
     if available():
         return emulated() or kernels._self_test()
     if b == "metal":
-        _log_once(("unavailable",), "KVARN_MLX_KERNELS=metal but Metal is not available here; using the MLX ops path")
+        _log_once(
+            ("unavailable",),
+            "KVARN_MLX_KERNELS=metal but Metal is not available here; using the MLX ops path",
+        )
     return False
 
 
@@ -78,7 +83,10 @@ def _log_once(key, msg):
 
 def fallback(what, reason):
     """Log once that `what` runs on the MLX ops path for `reason`."""
-    _log_once((what, reason), f"kvarn_mlx: {what} kernel does not support {reason}; using the MLX ops path")
+    _log_once(
+        (what, reason),
+        f"kvarn_mlx: {what} kernel does not support {reason}; using the MLX ops path",
+    )
 
 
 def _quantize(x, bits, iters, rotated, scale_dtype, keys):
@@ -95,12 +103,14 @@ def _quantize(x, bits, iters, rotated, scale_dtype, keys):
 
 
 def quantize_keys(k, bits, iters=8, rotated=True, scale_dtype="float16"):
-    """Key tiles [..., G, D] -> (words, a, b, t): the kernel when it runs, else quant.quantize_keys."""
+    """Key tiles [..., G, D] -> (words, a, b, t): the kernel when it runs, else
+    quant.quantize_keys."""
     return _quantize(k, bits, iters, rotated, scale_dtype, keys=True)
 
 
 def quantize_values(v, bits, iters=8, rotated=True, scale_dtype="float16"):
-    """Value tiles [..., G, D] -> (words, a, b, c): the kernel when it runs, else quant.quantize_values."""
+    """Value tiles [..., G, D] -> (words, a, b, c): the kernel when it runs, else
+    quant.quantize_values."""
     return _quantize(v, bits, iters, rotated, scale_dtype, keys=False)
 
 
@@ -112,8 +122,10 @@ def quantize(k, v, config, rotate_k, rotate_v) -> Tiles:
         k = quant.sanitize(k)
         k = mx.where(rotate_k[:, None, None, None], quant.rotate(k), k)
         rotate_k = False
-    return Tiles(*quantize_keys(k, c.k_bits, c.iters, bool(rotate_k), c.scale_dtype),
-                 *quantize_values(v, c.v_bits, c.iters, bool(rotate_v), c.scale_dtype))
+    return Tiles(
+        *quantize_keys(k, c.k_bits, c.iters, bool(rotate_k), c.scale_dtype),
+        *quantize_values(v, c.v_bits, c.iters, bool(rotate_v), c.scale_dtype),
+    )
 
 
 # MLX's CPU quantized_matmul uses one thread; independent work on a CPU stream

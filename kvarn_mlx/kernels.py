@@ -40,9 +40,11 @@ KERNEL_BITS = (2, 3, 4, 5, 6, 8)
 
 # Sources and kernel objects ---------------------------------------------------------
 
+
 def _metal_dir() -> Path:
     here = Path(__file__).resolve().parent
-    for d in (here / "metal", here.parent / "metal"):  # installed package data, then the source tree
+    # installed package data, then the source tree
+    for d in (here / "metal", here.parent / "metal"):
         if (d / "kvarn_common.h").exists():
             return d
     raise FileNotFoundError("kvarn_mlx: Metal kernel sources (metal/*.metal) not found")
@@ -74,6 +76,7 @@ def _kernel(name: str, input_names, output_names, source_file: str):
 
 # Tile quantization ------------------------------------------------------------------
 
+
 def quantize_unsupported(x, bits, iters, scale_dtype):
     if x.ndim < 2:
         return f"input of shape {tuple(x.shape)}"
@@ -103,15 +106,26 @@ def _quantize_metal(x, bits, iters, rotated, scale_dtype, keys):
     nt = math.prod(lead)
     nsg = 16  # 512 threads: NSG*32 >= D and NSG*D*4 <= 16 KB of threadgroup memory for D <= 256
     sdt = quant._SCALE_DTYPES[scale_dtype]
-    k = _kernel("kvarn_quantize_tiles", ["tiles"], ["words", "a", "b", "col"], "quantize_tiles.metal")
+    k = _kernel(
+        "kvarn_quantize_tiles", ["tiles"], ["words", "a", "b", "col"], "quantize_tiles.metal"
+    )
     if keys:
         shapes = [(nt, D, G * bits // 32), (nt, D), (nt, D), (nt, G)]
     else:
         shapes = [(nt, G, D * bits // 32), (nt, G), (nt, G), (nt, D)]
     words, a, b, col = k(
         inputs=[x.reshape(nt, G, D)],
-        template=[("T", x.dtype), ("S", sdt), ("D", D), ("G", G), ("BITS", bits), ("ITERS", iters),
-                  ("KEYS", bool(keys)), ("ROT", bool(rotated)), ("NSG", nsg)],
+        template=[
+            ("T", x.dtype),
+            ("S", sdt),
+            ("D", D),
+            ("G", G),
+            ("BITS", bits),
+            ("ITERS", iters),
+            ("KEYS", bool(keys)),
+            ("ROT", bool(rotated)),
+            ("NSG", nsg),
+        ],
         grid=(32 * nsg, nt, 1),
         threadgroup=(32 * nsg, 1, 1),
         output_shapes=shapes,
@@ -231,19 +245,44 @@ def packed_attention_metal(q, view: StepView, scale, causal=True):
     NS = n_split + 2  # sink split, tile splits, tail split
     params = mx.array([n_tiles, BH, S, Tn, tps, L, R, int(bool(causal)), NS, n_rc], dtype=mx.int32)
 
-    k1 = _kernel("kvarn_attention_split", _SPLIT_INPUTS, ["o_part", "m_part", "l_part"], "attention_split.metal")
+    k1 = _kernel(
+        "kvarn_attention_split",
+        _SPLIT_INPUTS,
+        ["o_part", "m_part", "l_part"],
+        "attention_split.metal",
+    )
     o_part, m_part, l_part = k1(
-        inputs=[qf, qr, dense(sk, S), dense(view.sink_v, S), *tiles.arrays(),
-                dense(view.recent_k, Tn), dense(view.recent_v, Tn), params, _scalar(scale)],
-        template=[("T", kv_dtype), ("SC", tiles.k_a.dtype), ("D", D), ("G", G), ("KB", view.k_bits),
-                  ("VB", view.v_bits), ("RC", rc)],
+        inputs=[
+            qf,
+            qr,
+            dense(sk, S),
+            dense(view.sink_v, S),
+            *tiles.arrays(),
+            dense(view.recent_k, Tn),
+            dense(view.recent_v, Tn),
+            params,
+            _scalar(scale),
+        ],
+        template=[
+            ("T", kv_dtype),
+            ("SC", tiles.k_a.dtype),
+            ("D", D),
+            ("G", G),
+            ("KB", view.k_bits),
+            ("VB", view.v_bits),
+            ("RC", rc),
+        ],
         grid=(_ATT_THREADS, NS, BH * n_rc),
         threadgroup=(_ATT_THREADS, 1, 1),
         output_shapes=[(BH, NS, R, D), (BH, NS, R), (BH, NS, R)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
-    k2 = _kernel("kvarn_attention_combine", ["o_part", "m_part", "l_part", "params"], ["o_dense", "o_rot"],
-                 "attention_combine.metal")
+    k2 = _kernel(
+        "kvarn_attention_combine",
+        ["o_part", "m_part", "l_part", "params"],
+        ["o_dense", "o_rot"],
+        "attention_combine.metal",
+    )
     o_dense, o_rot = k2(
         inputs=[o_part, m_part, l_part, params],
         template=[("D", D)],
@@ -256,8 +295,24 @@ def packed_attention_metal(q, view: StepView, scale, causal=True):
     return out.astype(q.dtype)
 
 
-_SPLIT_INPUTS = ["q", "qr", "sink_k", "sink_v", "k_words", "k_a", "k_b", "k_t", "v_words", "v_a", "v_b", "v_c",
-                 "tail_k", "tail_v", "params", "scale"]
+_SPLIT_INPUTS = [
+    "q",
+    "qr",
+    "sink_k",
+    "sink_v",
+    "k_words",
+    "k_a",
+    "k_b",
+    "k_t",
+    "v_words",
+    "v_a",
+    "v_b",
+    "v_c",
+    "tail_k",
+    "tail_v",
+    "params",
+    "scale",
+]
 _constants = {}
 
 
@@ -316,27 +371,44 @@ def _self_test() -> bool:
             x = mx.random.normal((1, 2, 2, 64, 64), key=mx.random.key(0))  # [B, H, tiles, G, D]
             k_tiles = _quantize_metal(x, 4, 8, True, "float32", keys=True)
             v_tiles = _quantize_metal(x, 2, 8, True, "float32", keys=False)
-            k_ops, v_ops = quant.quantize_keys(x, 4, 8, True, "float32"), quant.quantize_values(x, 2, 8, True, "float32")
+            k_ops, v_ops = (
+                quant.quantize_keys(x, 4, 8, True, "float32"),
+                quant.quantize_values(x, 2, 8, True, "float32"),
+            )
             q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(1))
             sink, tail = x[:, :, 0, :16], x[:, :, 1, :5]
             storage = append(None, Tiles(*k_tiles, *v_tiles), 0)
-            got = packed_attention_metal(q, StepView(sink, sink, storage, 2, tail, tail, 4, 2), 0.125)
+            got = packed_attention_metal(
+                q, StepView(sink, sink, storage, 2, tail, tail, 4, 2), 0.125
+            )
             k, v = Tiles(*k_ops, *v_ops).dequantize(4, 2, True, True)
             want = mx.fast.scaled_dot_product_attention(
-                q, mx.concatenate([sink, k, tail], axis=2), mx.concatenate([sink, v, tail], axis=2), scale=0.125)
+                q,
+                mx.concatenate([sink, k, tail], axis=2),
+                mx.concatenate([sink, v, tail], axis=2),
+                scale=0.125,
+            )
 
             # Loose bounds: near-tied normalization iterates may legitimately differ
             # (tests/test_kernels.py holds the kernels to the reference tightly).
             def close(a, b, tol):
                 return (mx.abs(a - b).mean() <= tol * mx.abs(b).mean()).item()
 
-            _self_test_result = (close(quant.dequantize_keys(*k_tiles, 4), quant.dequantize_keys(*k_ops, 4), 0.05)
-                                 and close(quant.dequantize_values(*v_tiles, 2), quant.dequantize_values(*v_ops, 2), 0.05)
-                                 and close(got, want, 0.05))
+            _self_test_result = (
+                close(quant.dequantize_keys(*k_tiles, 4), quant.dequantize_keys(*k_ops, 4), 0.05)
+                and close(
+                    quant.dequantize_values(*v_tiles, 2), quant.dequantize_values(*v_ops, 2), 0.05
+                )
+                and close(got, want, 0.05)
+            )
             if not _self_test_result:
-                log.warning("kvarn_mlx: the Metal kernels disagree with the MLX ops path on this device; "
-                            "using the ops path (please report this with your chip and macOS version)")
+                log.warning(
+                    "kvarn_mlx: the Metal kernels disagree with the MLX ops path on this device; "
+                    "using the ops path (please report this with your chip and macOS version)"
+                )
         except Exception as e:  # a kernel that does not build here
-            log.warning(f"kvarn_mlx: the Metal kernels failed on this device ({e}); using the MLX ops path")
+            log.warning(
+                f"kvarn_mlx: the Metal kernels failed on this device ({e}); using the MLX ops path"
+            )
             _self_test_result = False
     return _self_test_result

@@ -51,8 +51,10 @@ def dequantized(view: StepView, dtype=None):
         vs.append(v)
     ks.append(view.recent_k)
     vs.append(view.recent_v)
-    return (mx.concatenate([x.astype(dtype) for x in ks], axis=2),
-            mx.concatenate([x.astype(dtype) for x in vs], axis=2))
+    return (
+        mx.concatenate([x.astype(dtype) for x in ks], axis=2),
+        mx.concatenate([x.astype(dtype) for x in vs], axis=2),
+    )
 
 
 def dequantize_tiles(view: StepView):
@@ -120,7 +122,9 @@ def attend_dequantized(queries, view: StepView, scale, mask=None, sinks=None):
     N = k.shape[2]
     rows = query_block(B, Hq, N)
     if L <= rows:
-        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
+        return mx.fast.scaled_dot_product_attention(
+            queries, k, v, scale=scale, mask=mask, sinks=sinks
+        )
     causal = isinstance(mask, str) and mask == "causal"
     out = []
     for i in range(0, L, rows):
@@ -130,5 +134,9 @@ def attend_dequantized(queries, view: StepView, scale, mask=None, sinks=None):
         if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L:
             m = mask[..., i:j, :]
         q = queries[:, :, i:j] if not out else mx.depends(queries[:, :, i:j], out[-1])
-        out.append(mx.fast.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], scale=scale, mask=m, sinks=sinks))
+        out.append(
+            mx.fast.scaled_dot_product_attention(
+                q, k[:, :, :n], v[:, :, :n], scale=scale, mask=m, sinks=sinks
+            )
+        )
     return mx.concatenate(out, axis=2)

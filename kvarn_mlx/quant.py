@@ -14,7 +14,12 @@ from . import fp8
 # result instead of NaN scales. 2^24 keeps every product of scales inside
 # float16's range once balance_exponents has split it.
 LIMIT = 2.0**24
-_SCALE_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32, "fp8": mx.uint8}
+_SCALE_DTYPES = {
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "float32": mx.float32,
+    "fp8": mx.uint8,
+}
 
 
 def can_rotate(D: int) -> bool:
@@ -51,7 +56,8 @@ def rotate(x):
     D = x.shape[-1]
     if not can_rotate(D):
         raise ValueError(
-            f"head dim {D} cannot be rotated: mx.hadamard_transform needs 2^k or m*2^k, m in 12, 20, 28"
+            f"head dim {D} cannot be rotated: "
+            "mx.hadamard_transform needs 2^k or m*2^k, m in 12, 20, 28"
         )
     return mx.hadamard_transform(x)
 
@@ -79,7 +85,9 @@ def rotated_where(flag, x, fn):
 def _check_tiles(x, name):
     """Tiles must be [..., G, D] with G >= 2 tokens (std uses ddof=1)."""
     if x.ndim < 2 or x.shape[-2] < 2:
-        raise ValueError(f"{name} tiles must have shape [..., G, D] with G >= 2; got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name} tiles must have shape [..., G, D] with G >= 2; got shape {tuple(x.shape)}"
+        )
 
 
 def _std(x, axis):
@@ -92,8 +100,12 @@ def imbalance(X):
 
 def _imbalance(col, row):
     """From a tile's column and row stds: max/min of each, summed."""
-    col_term = col.max(axis=(-2, -1), keepdims=True) / mx.maximum(col.min(axis=(-2, -1), keepdims=True), 1e-8)
-    row_term = row.max(axis=(-2, -1), keepdims=True) / mx.maximum(row.min(axis=(-2, -1), keepdims=True), 1e-8)
+    col_term = col.max(axis=(-2, -1), keepdims=True) / mx.maximum(
+        col.min(axis=(-2, -1), keepdims=True), 1e-8
+    )
+    row_term = row.max(axis=(-2, -1), keepdims=True) / mx.maximum(
+        row.min(axis=(-2, -1), keepdims=True), 1e-8
+    )
     return col_term + row_term
 
 
@@ -108,7 +120,8 @@ def normalize(M, iters=8):
     row stds come from the row update's, so the imbalance costs no pass."""
     log_c = mx.zeros((*M.shape[:-2], 1, M.shape[-1]), mx.float32)
     log_r = mx.zeros((*M.shape[:-1], 1), mx.float32)
-    c, r = mx.ones_like(log_c), mx.ones_like(log_r)  # exp(log_c), exp(log_r): one exp each per iteration
+    # exp(log_c), exp(log_r): one exp each per iteration
+    c, r = mx.ones_like(log_c), mx.ones_like(log_r)
     col, row = _std(M, -2), _std(M, -1)  # of the current iterate
     best, sc_best, sr_best = _imbalance(col, row), c, r
     for _ in range(iters):
@@ -156,7 +169,8 @@ def pack(code, bits):
         right = mx.right_shift(c, mx.array([min(max(-s, 0), 31) for s in at], mx.uint32))
         part = mx.where(mx.array([s >= 0 for s in at]), left, right)
         inside = mx.array([-bits < s < 32 for s in at])
-        words.append(mx.sum(mx.where(inside, part, 0), axis=-1).astype(mx.uint32))  # disjoint bits: sum is or
+        # disjoint bits: sum is or
+        words.append(mx.sum(mx.where(inside, part, 0), axis=-1).astype(mx.uint32))
     return mx.stack(words, axis=-1).reshape(*code.shape[:-1], -1)
 
 
@@ -169,7 +183,9 @@ def unpack(words, bits):
     lo = mx.right_shift(mx.take(w, mx.array(first), axis=-1), mx.array(shift, mx.uint32))
     if nw > 1:  # the high bits of codes that straddle into the next word
         nxt = mx.take(w, mx.array([min(f + 1, nw - 1) for f in first]), axis=-1)
-        hi = mx.left_shift(nxt, mx.array([32 - s if s + bits > 32 else 0 for s in shift], mx.uint32))
+        hi = mx.left_shift(
+            nxt, mx.array([32 - s if s + bits > 32 else 0 for s in shift], mx.uint32)
+        )
         lo = mx.where(mx.array([s + bits > 32 for s in shift]), mx.bitwise_or(lo, hi), lo)
     c = mx.bitwise_and(lo, 2**bits - 1)
     return c.reshape(*words.shape[:-1], -1)
@@ -191,7 +207,9 @@ def row_groups(a, b, D):
 def balance_exponents(a, b, col):
     """Split a power of two between (a, b) and col so float16 storage neither
     overflows nor underflows; (code*a + b)*col is unchanged."""
-    row_max = mx.maximum(mx.abs(a).max(axis=-1, keepdims=True), mx.abs(b).max(axis=-1, keepdims=True))
+    row_max = mx.maximum(
+        mx.abs(a).max(axis=-1, keepdims=True), mx.abs(b).max(axis=-1, keepdims=True)
+    )
     col_max = mx.abs(col).max(axis=-1, keepdims=True)
     k = mx.round((mx.log2(mx.maximum(col_max, 1e-30)) - mx.log2(mx.maximum(row_max, 1e-30))) / 2)
     f = mx.power(2.0, k)
@@ -199,11 +217,14 @@ def balance_exponents(a, b, col):
 
 
 def quantize_tiles(M, bits, iters=8, scale_dtype="float16"):
-    """Rotated tiles M [..., R, C] -> (words [..., R, C*bits/32], a [..., R], b [..., R], col [..., C])."""
+    """Rotated tiles M [..., R, C] -> (words [..., R, C*bits/32], a [..., R], b [..., R],
+    col [..., C])."""
     balanced, sc, sr = normalize(M, iters)
     code, scale, lo = rtn(balanced, bits)
     if scale_dtype == "fp8":  # e4m3 bytes, codes rounded against them (fp8.py)
-        code, a, b, col = fp8.store(M, bits, (sr * scale)[..., 0], (sr * lo)[..., 0], sc[..., 0, :], scale[..., 0] > 1e-10)
+        code, a, b, col = fp8.store(
+            M, bits, (sr * scale)[..., 0], (sr * lo)[..., 0], sc[..., 0, :], scale[..., 0] > 1e-10
+        )
         return pack(code, bits), a, b, col
     a, b, col = balance_exponents((sr * scale)[..., 0], (sr * lo)[..., 0], sc[..., 0, :])
     dt = _SCALE_DTYPES[scale_dtype]
@@ -221,7 +242,8 @@ def _prepare(x, rotated):
 
 
 def quantize_keys(k, bits, iters=8, rotated=True, scale_dtype="float16"):
-    """Key tiles k [..., G, D] (tokens x channels) -> (words [..., D, G*bits/32], a [..., D], b [..., D], t [..., G])."""
+    """Key tiles k [..., G, D] (tokens x channels) -> (words [..., D, G*bits/32], a [..., D],
+    b [..., D], t [..., G])."""
     _check_tiles(k, "key")
     try:
         check_bits(k.shape[-2], bits, "key tile size")  # K codes are packed along tokens
@@ -232,7 +254,8 @@ def quantize_keys(k, bits, iters=8, rotated=True, scale_dtype="float16"):
 
 
 def quantize_values(v, bits, iters=8, rotated=True, scale_dtype="float16"):
-    """Value tiles v [..., G, D] -> (words [..., G, D*bits/32], a [..., G], b [..., G], c [..., D])."""
+    """Value tiles v [..., G, D] -> (words [..., G, D*bits/32], a [..., G], b [..., G],
+    c [..., D])."""
     _check_tiles(v, "value")
     check_head_dim(v.shape[-1], bits)
     return quantize_tiles(_prepare(v, rotated), bits, iters, scale_dtype)

@@ -94,7 +94,8 @@ class TileStorage:
         return Tiles(*(mx.moveaxis(x[:n], 0, 2) for x in self.arrays()))
 
     def write(self, start, arrays):
-        """Store batch-major arrays (in ARRAYS order, or the four key arrays) at tiles [start, start + m)."""
+        """Store batch-major arrays (in ARRAYS order, or the four key arrays) at tiles
+        [start, start + m)."""
         m = arrays[0].shape[2]
         _derived.pop(self, None)
         for name, x in zip(ARRAYS, arrays):
@@ -113,7 +114,9 @@ class TileStorage:
         """Bytes of the valid tiles' codes and scales, and the unused room."""
         used = {"codes": 0, "scales": 0}
         for name, x in zip(ARRAYS, self.arrays()):
-            used["codes" if name.endswith("words") else "scales"] += x.nbytes * self.count // self.capacity
+            used["codes" if name.endswith("words") else "scales"] += (
+                x.nbytes * self.count // self.capacity
+            )
         return {**used, "unused": self.nbytes - used["codes"] - used["scales"]}
 
     def dequantize(self, k_bits, v_bits, rotate_k, rotate_v, n=None):
@@ -148,9 +151,15 @@ def append(storage, new: Tiles, step):
     if need > capacity:
         grown = max(need, capacity + step)
         if storage is None:
-            arrays = [mx.zeros((grown, x.shape[0], x.shape[1], *x.shape[3:]), x.dtype) for x in new.arrays()]
+            arrays = [
+                mx.zeros((grown, x.shape[0], x.shape[1], *x.shape[3:]), x.dtype)
+                for x in new.arrays()
+            ]
         else:  # one op per array: a decode step that commits a tile may grow the storage
-            arrays = [mx.pad(x, [(0, grown - capacity)] + [(0, 0)] * (x.ndim - 1)) for x in storage.arrays()]
+            arrays = [
+                mx.pad(x, [(0, grown - capacity)] + [(0, 0)] * (x.ndim - 1))
+                for x in storage.arrays()
+            ]
         storage = TileStorage(*arrays, count=count)
     storage.write(count, new.arrays())
     storage.count = need

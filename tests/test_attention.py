@@ -51,11 +51,17 @@ def ref_inputs(cache, b, h, view=None):
     key_tiles, value_tiles = [], []
     if view.tiles is not None:
         valid = view.tiles.valid(view.n_tiles).arrays()
-        kw, ka, kb, kt, vw, va, vb, vc = (np.array(x.astype(mx.float32) if x.dtype != mx.uint32 else x) for x in valid)
+        kw, ka, kb, kt, vw, va, vb, vc = (
+            np.array(x.astype(mx.float32) if x.dtype != mx.uint32 else x) for x in valid
+        )
         kbits, vbits = cache.config.k_bits, cache.config.v_bits
         for i in range(kw.shape[2]):
-            key_tiles.append((ref.unpack(kw[b, h, i], kbits), ka[b, h, i], kb[b, h, i], kt[b, h, i]))
-            value_tiles.append((ref.unpack(vw[b, h, i], vbits), va[b, h, i], vb[b, h, i], vc[b, h, i]))
+            key_tiles.append(
+                (ref.unpack(kw[b, h, i], kbits), ka[b, h, i], kb[b, h, i], kt[b, h, i])
+            )
+            value_tiles.append(
+                (ref.unpack(vw[b, h, i], vbits), va[b, h, i], vb[b, h, i], vc[b, h, i])
+            )
     f = lambda x: x[b, h].astype(np.float64)
     return f(sk), f(sv), key_tiles, value_tiles, f(rk), f(rv)
 
@@ -66,9 +72,19 @@ def reference_output(cache, q, scale, causal=True, view=None):
     view = cache.step_view() if view is None else view
     if view.later is not None and causal:
         n = q.shape[2] - view.split
-        first = replace(view, recent_k=view.recent_k[..., :-n, :], recent_v=view.recent_v[..., :-n, :], later=None)
-        return np.concatenate([reference_output(cache, q[:, :, : view.split], scale, True, first),
-                               reference_output(cache, q[:, :, view.split :], scale, True, view.later)], axis=2)
+        first = replace(
+            view,
+            recent_k=view.recent_k[..., :-n, :],
+            recent_v=view.recent_v[..., :-n, :],
+            later=None,
+        )
+        return np.concatenate(
+            [
+                reference_output(cache, q[:, :, : view.split], scale, True, first),
+                reference_output(cache, q[:, :, view.split :], scale, True, view.later),
+            ],
+            axis=2,
+        )
     q = np.array(q.astype(mx.float32))
     B, Hq, L, D = q.shape
     H = cache.sink_k.shape[1]
@@ -78,7 +94,8 @@ def reference_output(cache, q, scale, causal=True, view=None):
         for h in range(H):
             sk, sv, kt, vt, rk, rv = ref_inputs(cache, b, h, view)
             out[b, h * n_rep : (h + 1) * n_rep] = ref.attention(
-                q[b, h * n_rep : (h + 1) * n_rep], sk, sv, kt, vt, rk, rv, scale, causal=causal)
+                q[b, h * n_rep : (h + 1) * n_rep], sk, sv, kt, vt, rk, rv, scale, causal=causal
+            )
     return out
 
 
@@ -105,7 +122,8 @@ def check_close(got, want, what, atol=ATOL, rtol=RTOL):
 # tile (they must still attend to their own tokens in full precision).
 CASES = [
     (64, 1, 128, 4, 2, 128, 128 + 2 * 128 + 45, 1),
-    (64, 3, 64, 2, 2, 0, 3 * 64 + 63, 1),   # the step fills the tail: tile quantized now, seen in full now
+    # the step fills the tail: tile quantized now, seen in full now
+    (64, 3, 64, 2, 2, 0, 3 * 64 + 63, 1),
     (64, 7, 64, 4, 4, 128, 128 + 2 * 64 + 5, 7),
     (64, 1, 128, 2, 4, 0, 2 * 128 + 120, 13),  # 120 + 13 crosses a tile boundary
     (128, 1, 64, 4, 2, 0, 4 * 64 + 1, 1),
@@ -116,7 +134,7 @@ CASES = [
     (256, 3, 64, 4, 2, 0, 3 * 64 + 10, 7),
     (256, 7, 128, 4, 4, 128, 128 + 128 + 90, 1),
     (256, 7, 64, 2, 2, 0, 2 * 64 + 60, 9),  # crosses
-    (64, 3, 128, 4, 2, 128, 100, 1),         # still inside the sink: no tiles yet
+    (64, 3, 128, 4, 2, 128, 100, 1),  # still inside the sink: no tiles yet
     (128, 1, 64, 2, 2, 128, 128 + 64, 200),  # a long chunk: several new tiles, all seen in full
 ]
 # Every code width as keys and as values at every head dim whose value rows fill
@@ -125,8 +143,18 @@ for D in (64, 80, 96, 128, 256):
     widths = [b for b in (2, 3, 4, 5, 6, 8) if D * b % 32 == 0]
     for i, kb in enumerate(widths):
         G = (64, 128)[i % 2]
-        CASES.append((D, (1, 3, 7)[i % 3], G, kb, widths[(i + 1) % len(widths)], (0, 128)[i // 2 % 2],
-                      128 + 2 * G + 17 * i, (1, 5, 1, 9)[i % 4]))
+        CASES.append(
+            (
+                D,
+                (1, 3, 7)[i % 3],
+                G,
+                kb,
+                widths[(i + 1) % len(widths)],
+                (0, 128)[i // 2 % 2],
+                128 + 2 * G + 17 * i,
+                (1, 5, 1, 9)[i % 4],
+            )
+        )
 
 
 @pytest.mark.parametrize("D, gqa, G, kb, vb, sink, T, L", CASES)
@@ -147,8 +175,12 @@ def test_packed_matches_reference(D, gqa, G, kb, vb, sink, T, L):
     allk, allv = np.concatenate([k, k2], 2), np.concatenate([v, v2], 2)
     S, R = sk.shape[2], rk.shape[2]
     assert S + tiles_before * G + R == T + L == cache.offset
-    assert np.array_equal(np.array(sk), allk[:, :, :S]) and np.array_equal(np.array(sv), allv[:, :, :S])
-    assert np.array_equal(np.array(rk), allk[:, :, T + L - R :]) and np.array_equal(np.array(rv), allv[:, :, T + L - R :])
+    assert np.array_equal(np.array(sk), allk[:, :, :S]) and np.array_equal(
+        np.array(sv), allv[:, :, :S]
+    )
+    assert np.array_equal(np.array(rk), allk[:, :, T + L - R :]) and np.array_equal(
+        np.array(rv), allv[:, :, T + L - R :]
+    )
 
     scale = D**-0.5
     want = reference_output(cache, q, scale, causal=True)
@@ -200,6 +232,7 @@ def test_half_precision_inputs(dtype):
 
 # -- the fallback and masks: against mx.fast SDPA over update_and_fetch's K/V ------------
 
+
 def _cache_with_step(rng, D=64, H=2, gqa=3, L=6, B=1, preset="k4v2_g64", sink=128, T=None):
     cache = KVarNCache(get_preset(preset, sink=sink))
     T = 128 + 3 * 64 + 40 if T is None else T
@@ -209,11 +242,18 @@ def _cache_with_step(rng, D=64, H=2, gqa=3, L=6, B=1, preset="k4v2_g64", sink=12
     return cache, q, K, V
 
 
-@pytest.mark.parametrize("D, gqa, L, preset", [(64, 3, 1, "k4v2_g64"), (128, 7, 6, "k2v2_g128"),
-                                                (256, 1, 30, "k4v4_g128"), (64, 1, 100, "k4v2_g64")])
+@pytest.mark.parametrize(
+    "D, gqa, L, preset",
+    [
+        (64, 3, 1, "k4v2_g64"),
+        (128, 7, 6, "k2v2_g128"),
+        (256, 1, 30, "k4v4_g128"),
+        (64, 1, 100, "k4v2_g64"),
+    ],
+)
 def test_fallback_equals_packed(D, gqa, L, preset):
-    # Models that call mx.fast.scaled_dot_product_attention themselves get update_and_fetch's
-    # lazily dequantized K/V: same view, same result. (L=100 with G=64 quantizes tiles in this step.)
+    # Models that call mx.fast.scaled_dot_product_attention themselves get update_and_fetch's lazily
+    # dequantized K/V: same view, same result. (L=100 with G=64 quantizes tiles in this step.)
     rng = np.random.default_rng(D + L)
     cache, q, K, V = _cache_with_step(rng, D=D, gqa=gqa, L=L, preset=preset)
     mask = "causal" if L > 1 else None
@@ -264,13 +304,18 @@ def test_attention_sinks(L):
     want = mx.fast.scaled_dot_product_attention(q, K, V, scale=D**-0.5, mask=mask, sinks=sinks)
     got = packed_attention(q, cache, D**-0.5, mask=mask, sinks=sinks)
     check_close(got, np.array(want).astype(np.float64), f"sinks L={L}")
-    assert not np.allclose(np.array(got), np.array(packed_attention(q, cache, D**-0.5, mask=mask)), atol=1e-3)
+    assert not np.allclose(
+        np.array(got), np.array(packed_attention(q, cache, D**-0.5, mask=mask)), atol=1e-3
+    )
 
 
 # -- head dims the rotation cannot handle ---------------------------------------------
 
+
 @pytest.mark.parametrize("D, preset", [(144, "k2v2_g128"), (72, "k4v4_g128")])
-def test_unrotatable_head_dim_warns_once_and_matches_unrotated_reference(D, preset, monkeypatch, caplog):
+def test_unrotatable_head_dim_warns_once_and_matches_unrotated_reference(
+    D, preset, monkeypatch, caplog
+):
     # 144 = 9 * 16 and 72 = 9 * 8: packable (2 and 4 bits; 4 bits only), but no Hadamard
     # transform in MLX (which returns garbage for D=72 if asked anyway).
     monkeypatch.setattr(cache_mod, "_warned", set())
@@ -308,6 +353,7 @@ def test_unpackable_head_dim_is_a_clear_error_and_cache_stays_usable(D, preset):
 
 # -- NaN / Inf keys -----------------------------------------------------------------
 
+
 def test_nan_inf_keys_in_a_quantized_tile():
     # What we see: quantization maps NaN -> 0 and +/-Inf -> +/-2^24 (quant.LIMIT) before
     # scaling, so every stored scale is finite and attention over the tiles has no NaN.
@@ -324,7 +370,9 @@ def test_nan_inf_keys_in_a_quantized_tile():
     v[0, 1, bad + 3, 7] = np.nan
     feed(cache, k, v)
     for name in ("k_a", "k_b", "k_t", "v_a", "v_b", "v_c"):
-        assert np.isfinite(np.array(getattr(cache.tiles.valid(), name).astype(mx.float32))).all(), name
+        assert np.isfinite(np.array(getattr(cache.tiles.valid(), name).astype(mx.float32))).all(), (
+            name
+        )
     q, *_ = step(cache, rng, 1, 6, 1, D)
     out = np.array(packed_attention(q, cache, D**-0.5))
     assert np.isfinite(out).all()
@@ -338,6 +386,7 @@ def test_nan_inf_keys_in_a_quantized_tile():
 
 
 # -- the patch ------------------------------------------------------------------------
+
 
 def test_patch_idempotent_and_unpatch_restores_modules():
     import importlib
@@ -362,7 +411,9 @@ def test_patch_idempotent_and_unpatch_restores_modules():
         assert base.scaled_dot_product_attention is integration._original
         for name, mod in list(sys.modules.items()):
             if name.startswith("mlx_lm.") and hasattr(mod, "scaled_dot_product_attention"):
-                assert mod.scaled_dot_product_attention is not integration.scaled_dot_product_attention, name
+                assert (
+                    mod.scaled_dot_product_attention is not integration.scaled_dot_product_attention
+                ), name
         kvarn_mlx.unpatch()  # harmless twice
         assert llama.scaled_dot_product_attention is integration._original
     finally:
@@ -418,6 +469,7 @@ def test_nan_key_in_the_tail_behaves_like_a_float_cache_until_quantized():
 
 # -- tile ranges on separate CPU streams ----------------------------------------------
 
+
 def _many_tiles(rng, L, preset="k2v2_g64"):
     """A cache with enough tiles (13) to be split across CPU streams, and a step of L queries."""
     return _cache_with_step(rng, D=64, H=2, gqa=3, L=L, preset=preset, T=128 + 13 * 64 + 20)
@@ -451,12 +503,20 @@ def test_tile_ranges_on_cpu_streams_match_one_range_and_the_reference(kind, monk
         one = attention.attend(q, cache.step_view(), D**-0.5, mask, sinks)
     assert [len(r) for r in ranges] == [2, 1]  # the split did happen, then did not
     assert [hi - lo for (lo, hi), _ in ranges[0]] == [6, 7] and ranges[0][0][1] != ranges[0][1][1]
-    check_close(split, np.array(one).astype(np.float64), f"two streams vs one, {kind}", atol=1e-5, rtol=1e-5)
+    check_close(
+        split, np.array(one).astype(np.float64), f"two streams vs one, {kind}", atol=1e-5, rtol=1e-5
+    )
     if kind in ("decode", "causal"):
-        check_close(split, reference_output(cache, q, D**-0.5, causal=True), f"two streams vs reference, {kind}")
+        check_close(
+            split,
+            reference_output(cache, q, D**-0.5, causal=True),
+            f"two streams vs reference, {kind}",
+        )
     else:
         want = mx.fast.scaled_dot_product_attention(q, K, V, scale=D**-0.5, mask=mask, sinks=sinks)
-        check_close(split, np.array(want).astype(np.float64), f"two streams vs SDPA over K/V, {kind}")
+        check_close(
+            split, np.array(want).astype(np.float64), f"two streams vs SDPA over K/V, {kind}"
+        )
 
 
 def test_tile_streams_belong_to_each_thread():

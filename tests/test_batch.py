@@ -43,7 +43,9 @@ class Run:
         for i, n in enumerate(prefixes):
             c = KVarNCache(CFG)
             if n:
-                c.update_and_fetch(randn(1, H, n, D, seed=seed + i), randn(1, H, n, D, seed=seed + 50 + i))
+                c.update_and_fetch(
+                    randn(1, H, n, D, seed=seed + i), randn(1, H, n, D, seed=seed + 50 + i)
+                )
             self.singles.append(c)
         self.batch = BatchKVarNCache.merge(self.singles)  # copies: the singles go on alone
         self.seed = seed + 100
@@ -69,12 +71,17 @@ class Run:
                 want.append(None)
                 continue
             self.singles[b].update_and_fetch(k[b : b + 1, :, s:e], v[b : b + 1, :, s:e])
-            want.append(attention.packed_attention(q[b : b + 1, :, s:e], self.singles[b], SCALE,
-                                                   "causal" if e - s > 1 else None))
+            want.append(
+                attention.packed_attention(
+                    q[b : b + 1, :, s:e], self.singles[b], SCALE, "causal" if e - s > 1 else None
+                )
+            )
         mx.eval(got, [w for w in want if w is not None])
         for b, (s, e) in enumerate(spans):
             row = np.array(got[b])
-            assert not row[:, :s].any() and not row[:, e:].any(), f"row {b}: padding positions are not zero"
+            assert not row[:, :s].any() and not row[:, e:].any(), (
+                f"row {b}: padding positions are not zero"
+            )
             if want[b] is not None:
                 np.testing.assert_array_equal(row[:, s:e], np.array(want[b][0]), err_msg=f"row {b}")
         return got
@@ -201,7 +208,9 @@ def test_mask_is_mlx_lms_causal_mask_with_left_padding():
     plain = BatchKVCache([0, 18])
     plain.update_and_fetch(mx.zeros((2, H, 30, D)), mx.zeros((2, H, 30, D)))
     for N in (1, 5):
-        np.testing.assert_array_equal(np.array(run.batch.make_mask(N)), np.array(plain.make_mask(N)))
+        np.testing.assert_array_equal(
+            np.array(run.batch.make_mask(N)), np.array(plain.make_mask(N))
+        )
     assert run.batch.offset.tolist() == plain.offset.tolist()
 
 
@@ -251,7 +260,10 @@ def test_state_round_trip():
     run = Run([100, 30])
     run.prompt([5, 20])
     again = BatchKVarNCache.from_state(run.batch.state)
-    assert again.left_padding.tolist() == run.batch.left_padding.tolist() and again.size() == run.batch.size()
+    assert (
+        again.left_padding.tolist() == run.batch.left_padding.tolist()
+        and again.size() == run.batch.size()
+    )
     for a, b in zip(again.rows, run.batch.rows):
         assert_same_cache(a, b, held=False)  # a state holds no preallocated room
     mx.eval(run.batch.state)  # mlx-lm evaluates the state of batch caches
@@ -291,7 +303,9 @@ def near_ties(single, gaps, batched):
     that are not comparable), 0 if they are equal; anything else fails."""
     for i, (a, b) in enumerate(zip(single, batched)):
         if a != b:
-            assert gaps[i] < NEAR_TIE, f"token {i}: {a} alone, {b} batched, top-two gap {gaps[i]:.2e}"
+            assert gaps[i] < NEAR_TIE, (
+                f"token {i}: {a} alone, {b} batched, top-two gap {gaps[i]:.2e}"
+            )
             return 1
     assert len(single) == len(batched)
     return 0
@@ -315,8 +329,16 @@ def assert_like_alone(caches, single, tie, model, ids):
     model(mx.array(ids)[None], cache=plain)
     for a, b, p in kv:  # (mlx-lm's own batch caches may extract with other preallocated room)
         assert a.nbytes == b.nbytes
-        assert (a.offset, a.n_tiles, a.n_tail) == (b.offset, b.n_tiles, b.n_tail) and p.offset == b.offset
-        for x, y, z in zip(a.dequantized(), b.dequantized(), (p.keys[..., : p.offset, :], p.values[..., : p.offset, :])):
+        assert (a.offset, a.n_tiles, a.n_tail) == (
+            b.offset,
+            b.n_tiles,
+            b.n_tail,
+        ) and p.offset == b.offset
+        for x, y, z in zip(
+            a.dequantized(),
+            b.dequantized(),
+            (p.keys[..., : p.offset, :], p.values[..., : p.offset, :]),
+        ):
             x, y, z = (np.array(t.astype(mx.float32)) for t in (x, y, z))
             bound = max(1e-2 * np.linalg.norm(y), 0.1 * np.linalg.norm(y - z) if b.n_tiles else 0)
             assert np.linalg.norm(x - y) <= bound
@@ -325,8 +347,16 @@ def assert_like_alone(caches, single, tie, model, ids):
 def check_against_alone(model, tok, prompts, make, n, report=None, **kwargs):
     """batch_generate over the prompts against each prompt alone; the number of
     near ties. report: a list to get (prompt tokens, tokens, smallest top-two gap) per prompt."""
-    r = batch_generate(model, tok, prompts, prompt_caches=[make() for _ in prompts], max_tokens=n,
-                       return_prompt_caches=True, return_token_ids=True, **kwargs)
+    r = batch_generate(
+        model,
+        tok,
+        prompts,
+        prompt_caches=[make() for _ in prompts],
+        max_tokens=n,
+        return_prompt_caches=True,
+        return_token_ids=True,
+        **kwargs,
+    )
     ties = 0
     for p, got, caches in zip(prompts, r.token_ids, r.caches):
         single = make()
@@ -406,7 +436,9 @@ def test_batch_generate_on_the_embedded_model(smollm):
     report = []
     ties = check_against_alone(model, tok, prompts, lambda: make_cache(model), 64, report)
     for n, m, gap in report:
-        print(f"prompt {n} tokens: {m} greedy tokens compared, smallest top-two logit gap {gap:.2e}")
+        print(
+            f"prompt {n} tokens: {m} greedy tokens compared, smallest top-two logit gap {gap:.2e}"
+        )
     print(f"near ties: {ties} of {len(prompts)} prompts")
 
 
@@ -424,8 +456,14 @@ def test_metal_kernels_run_per_row(monkeypatch):
     prompts = [[t % 255 for t in tokens(n, seed=31 + i)] for i, n in enumerate([90, 110])]
     make = lambda: make_cache(model, CFG)
     monkeypatch.setattr(dispatch, "_backend", "ops")
-    want = batch_generate(model, tok, prompts, prompt_caches=[make() for _ in prompts], max_tokens=12,
-                          return_token_ids=True).token_ids
+    want = batch_generate(
+        model,
+        tok,
+        prompts,
+        prompt_caches=[make() for _ in prompts],
+        max_tokens=12,
+        return_token_ids=True,
+    ).token_ids
     calls = []
     kernel = kernels.packed_attention_metal
     monkeypatch.setattr(kernels, "packed_attention_metal", lambda *a: calls.append(1) or kernel(*a))
@@ -434,8 +472,14 @@ def test_metal_kernels_run_per_row(monkeypatch):
         if mslemu is not None:
             stack.enter_context(mslemu.patch_mlx())
             stack.enter_context(mslemu.options_scope(lint="0"))
-        got = batch_generate(model, tok, prompts, prompt_caches=[make() for _ in prompts], max_tokens=12,
-                             return_token_ids=True).token_ids
+        got = batch_generate(
+            model,
+            tok,
+            prompts,
+            prompt_caches=[make() for _ in prompts],
+            max_tokens=12,
+            return_token_ids=True,
+        ).token_ids
     assert [len(g) for g in got] == [12, 12]
     assert len(calls) >= 2 * 2 * 11  # two layers, two rows (each with a tile), the decode steps
     assert got == want

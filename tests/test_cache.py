@@ -37,7 +37,9 @@ WORDS = ("k_words", "v_words")
 def rand_kv(B, H, L, D, dtype=mx.float16, seed=0):
     key = mx.random.key(seed)
     k1, k2 = mx.random.split(key)
-    return mx.random.normal((B, H, L, D), key=k1).astype(dtype), mx.random.normal((B, H, L, D), key=k2).astype(dtype)
+    return mx.random.normal((B, H, L, D), key=k1).astype(dtype), mx.random.normal(
+        (B, H, L, D), key=k2
+    ).astype(dtype)
 
 
 def greedy(model, cache, prompt, n):
@@ -56,8 +58,12 @@ def greedy(model, cache, prompt, n):
 
 # Bars under the per-tile limits (docs/algorithm.md, "Storage and bytes per token":
 # 4.05/5.36 at 4096 and 4.43/6.12 at 32768 tokens, head_dim 64, sink 128, 2-byte dtype).
-MEMORY_BARS = [(4096, "k4v2_g128", 3.95), (4096, "k2v2_g128", 5.2),
-               (32768, "k4v2_g128", 4.35), (32768, "k2v2_g128", 6.0)]
+MEMORY_BARS = [
+    (4096, "k4v2_g128", 3.95),
+    (4096, "k2v2_g128", 5.2),
+    (32768, "k4v2_g128", 4.35),
+    (32768, "k2v2_g128", 6.0),
+]
 _memory = {}
 
 
@@ -129,10 +135,23 @@ def test_no_float_copy_of_quantized_tokens_is_held():
         arrays = dict(_float_arrays(c))
         cap_t = c.tail_k.shape[2]  # the tail buffer grows in small steps, never past G
         assert c.n_tail <= cap_t <= min(G, c.n_tail + c.tail_step)
-        expect = {"sink_k": (B, H, 32, D), "sink_v": (B, H, 32, D), "tail_k": (B, H, cap_t, D), "tail_v": (B, H, cap_t, D)}
+        expect = {
+            "sink_k": (B, H, 32, D),
+            "sink_v": (B, H, 32, D),
+            "tail_k": (B, H, cap_t, D),
+            "tail_v": (B, H, cap_t, D),
+        }
         cap = c.tiles.capacity  # tile-major storage
-        expect.update({"tiles.k_a": (cap, B, H, D), "tiles.k_b": (cap, B, H, D), "tiles.k_t": (cap, B, H, G),
-                       "tiles.v_a": (cap, B, H, G), "tiles.v_b": (cap, B, H, G), "tiles.v_c": (cap, B, H, D)})
+        expect.update(
+            {
+                "tiles.k_a": (cap, B, H, D),
+                "tiles.k_b": (cap, B, H, D),
+                "tiles.k_t": (cap, B, H, G),
+                "tiles.v_a": (cap, B, H, G),
+                "tiles.v_b": (cap, B, H, G),
+                "tiles.v_c": (cap, B, H, D),
+            }
+        )
         floats = {n: x.shape for n, x in arrays.items() if mx.issubdtype(x.dtype, mx.floating)}
         assert floats == expect
         for n in SCALES:
@@ -161,7 +180,6 @@ def test_active_memory_is_what_nbytes_says():
     assert grown <= cache.nbytes * 1.02 + 65536, (grown, cache.nbytes)
 
 
-
 def test_fallback_path_holds_no_float_copy_between_steps():
     cache = KVarNCache("k4v2_g128")
     k, v = rand_kv(1, 3, 4096, 64, seed=2)
@@ -169,13 +187,20 @@ def test_fallback_path_holds_no_float_copy_between_steps():
     gc.collect()
     before = mx.get_active_memory()
     K, V = cache.update_and_fetch(k, v)
-    mx.eval(mx.fast.scaled_dot_product_attention(mx.zeros((1, 9, 1, 64), mx.float16), K, V, scale=0.125), cache.state)
+    mx.eval(
+        mx.fast.scaled_dot_product_attention(
+            mx.zeros((1, 9, 1, 64), mx.float16), K, V, scale=0.125
+        ),
+        cache.state,
+    )
     del k, v, K, V
     gc.collect()
     grown = mx.get_active_memory() - before + 2 * 3 * 4096 * 64 * 2
     assert grown <= cache.nbytes * 1.02 + 65536, (grown, cache.nbytes)
 
+
 # -- make_cache ------------------------------------------------------------------------
+
 
 def test_make_cache_replaces_plain_kvcache_layers():
     model = tiny_model("llama64")
@@ -191,7 +216,12 @@ def test_make_cache_leaves_sliding_window_layers_and_warns_once(monkeypatch, cap
     with caplog.at_level(logging.WARNING, logger="kvarn_mlx"):
         caches = make_cache(model)
         make_cache(model)
-    assert [type(c).__name__ for c in caches] == ["RotatingKVCache", "KVarNCache", "RotatingKVCache", "KVarNCache"]
+    assert [type(c).__name__ for c in caches] == [
+        "RotatingKVCache",
+        "KVarNCache",
+        "RotatingKVCache",
+        "KVarNCache",
+    ]
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "RotatingKVCache" in warnings[0]
     # The sliding layers still work as they did: same window, same trimming rules.
@@ -219,7 +249,9 @@ def test_make_cache_applies_overrides_to_configs_too():
     model = tiny_model("qwen2")
     cfg = KVarNConfig(k_bits=4, v_bits=4, group_size=64)
     caches = make_cache(model, cfg, sink=0, iters=3)
-    assert all(c.config == KVarNConfig(k_bits=4, v_bits=4, group_size=64, sink=0, iters=3) for c in caches)
+    assert all(
+        c.config == KVarNConfig(k_bits=4, v_bits=4, group_size=64, sink=0, iters=3) for c in caches
+    )
     caches = make_cache(model, [cfg, "k2v2_g128"], sink=16)
     assert [c.config.sink_size for c in caches] == [16, 16] and caches[1].config.k_bits == 2
     assert make_cache(model, cfg)[0].config == cfg  # no overrides: the config as given
@@ -232,7 +264,9 @@ def test_observe_sees_every_attention_call_of_any_cache():
     caches = make_cache(model, "k4v2_g64")
     seen = []
     x = mx.array(tokens(80))[None]
-    with integration.observe(lambda q, k, v, cache, out: seen.append((type(cache).__name__, q.shape, out.shape))):
+    with integration.observe(
+        lambda q, k, v, cache, out: seen.append((type(cache).__name__, q.shape, out.shape))
+    ):
         model(x, cache=caches)
     model(x[:, :1], cache=caches)  # outside the block: not observed
     assert [name for name, _, _ in seen] == [type(c).__name__ for c in caches]
@@ -249,6 +283,7 @@ def test_unknown_preset_lists_presets():
 
 
 # -- models: patched path == fallback path ------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["llama64", "llama128", "gemma3", "qwen2"])
 def test_model_logits_packed_equal_fallback(name):
@@ -282,6 +317,7 @@ def test_model_logits_packed_equal_fallback(name):
 
 # -- mlx_lm.generate ---------------------------------------------------------------------
 
+
 def test_stream_generate_and_generate_with_prompt_cache():
     model, tok = tiny_model("llama64"), tokenizer()
     prompt = tokens(150, seed=2)
@@ -291,16 +327,25 @@ def test_stream_generate_and_generate_with_prompt_cache():
     assert len(streamed) == 12 and responses[-1].finish_reason == "length"
     assert all(c.offset == 150 + 12 for c in cache)  # generate_step feeds one token ahead
     # generate_step with a fresh KVarN cache gives the same tokens (deterministic).
-    steps = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=12, prompt_cache=make_cache(model))]
+    steps = [
+        int(t)
+        for t, _ in generate_step(
+            mx.array(prompt), model, max_tokens=12, prompt_cache=make_cache(model)
+        )
+    ]
     assert steps == streamed
     text = generate(model, tok, prompt, max_tokens=12, prompt_cache=make_cache(model))
     assert text == tok.decode(streamed)
     # Continuing a used cache through stream_generate works too (multi-turn).
-    more = [r.token for r in stream_generate(model, tok, tokens(7, seed=3), max_tokens=5, prompt_cache=cache)]
+    more = [
+        r.token
+        for r in stream_generate(model, tok, tokens(7, seed=3), max_tokens=5, prompt_cache=cache)
+    ]
     assert len(more) == 5 and cache[0].offset == 150 + 12 + 7 + 5
 
 
 # -- prompt-cache files --------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["llama64", "gemma3"])
 def test_save_load_then_continue_is_identical(name, tmp_path):
@@ -314,7 +359,11 @@ def test_save_load_then_continue_is_identical(name, tmp_path):
     assert [type(c) for c in loaded] == [type(c) for c in cache]
     for a, b in zip(cache, loaded):
         if isinstance(a, KVarNCache):
-            assert b.config == a.config and (b.offset, b.n_tiles, b.n_tail) == (a.offset, a.n_tiles, a.n_tail)
+            assert b.config == a.config and (b.offset, b.n_tiles, b.n_tail) == (
+                a.offset,
+                a.n_tiles,
+                a.n_tail,
+            )
     # Continuing from the loaded cache == continuing the uninterrupted one (crosses a tile).
     t1, l1 = greedy(model, cache, [7], 50)
     t2, l2 = greedy(model, loaded, [7], 50)
@@ -323,8 +372,16 @@ def test_save_load_then_continue_is_identical(name, tmp_path):
 
 
 def test_state_round_trips_every_setting(tmp_path):
-    cfg = KVarNConfig(k_bits=2, v_bits=4, group_size=64, sink=0, iters=3, scale_dtype="bfloat16",
-                      rotate_keys=False, rotate_values=True)
+    cfg = KVarNConfig(
+        k_bits=2,
+        v_bits=4,
+        group_size=64,
+        sink=0,
+        iters=3,
+        scale_dtype="bfloat16",
+        rotate_keys=False,
+        rotate_values=True,
+    )
     c = KVarNCache(cfg)
     k, v = rand_kv(1, 2, 150, 64, dtype=mx.float32)
     c.update_and_fetch(k, v)
@@ -355,7 +412,9 @@ def _saved(tmp_path, model):
     return cache, path
 
 
-@pytest.mark.parametrize("damage", ["truncate", "n_tiles", "missing_array", "missing_setting", "bad_class"])
+@pytest.mark.parametrize(
+    "damage", ["truncate", "n_tiles", "missing_array", "missing_setting", "bad_class"]
+)
 def test_damaged_prompt_cache_file_clear_error(damage, tmp_path):
     model = tiny_model("llama64")
     cache, path = _saved(tmp_path, model)
@@ -416,6 +475,7 @@ def test_cache_from_another_model_gives_clear_error_and_stays_usable():
 
 # -- deep copy ------------------------------------------------------------------------------
 
+
 def test_deepcopy_is_independent():
     model = tiny_model("llama64")
     cache = make_cache(model, "k4v2_g64")
@@ -432,6 +492,7 @@ def test_deepcopy_is_independent():
 
 
 # -- trim --------------------------------------------------------------------------------
+
 
 def _fed(T, preset=("k4v2_g64"), sink=None, seed=0):
     cfg = get_preset(preset) if sink is None else get_preset(preset, sink=sink)
@@ -508,6 +569,7 @@ def test_protocol_bits():
 
 # -- speculative decoding ----------------------------------------------------------------------
 
+
 def test_trim_after_rejected_drafts_equals_never_drafting():
     # Each step verifies [token, 3 drafts] in one chunk, like speculative decoding, then
     # rejects the drafts by trimming. The drafts stay in the tail, so nothing is lost.
@@ -535,8 +597,15 @@ def test_mlx_lm_speculative_generate_step():
     # greedy tokens as plain decoding while everything it drafts stays in the tail.
     model, draft = tiny_model("llama64", seed=0), tiny_model("qwen2", seed=1)
     prompt = mx.array(tokens(128 + 8, seed=15))
-    plain = [int(t) for t, _ in generate_step(prompt, model, max_tokens=40, prompt_cache=make_cache(model))]
+    plain = [
+        int(t)
+        for t, _ in generate_step(prompt, model, max_tokens=40, prompt_cache=make_cache(model))
+    ]
     cache = make_cache(model) + make_cache(draft)
-    spec = list(speculative_generate_step(prompt, model, draft, num_draft_tokens=3, max_tokens=40, prompt_cache=cache))
+    spec = list(
+        speculative_generate_step(
+            prompt, model, draft, num_draft_tokens=3, max_tokens=40, prompt_cache=cache
+        )
+    )
     assert [int(t) for t, _, _ in spec] == plain
     assert any(not d for _, _, d in spec[1:])  # some drafts were rejected, so trims happened

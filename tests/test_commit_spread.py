@@ -25,15 +25,21 @@ def prompt(caches):
 
 def step(caches, t):
     """One decode token into every layer, in layer order, as a model's forward does."""
-    return [c.update_and_fetch(rand((1, 2, 1, D), 1000 * t + 2 * i), rand((1, 2, 1, D), 1000 * t + 2 * i + 1))
-            for i, c in enumerate(caches)]
+    return [
+        c.update_and_fetch(
+            rand((1, 2, 1, D), 1000 * t + 2 * i), rand((1, 2, 1, D), 1000 * t + 2 * i + 1)
+        )
+        for i, c in enumerate(caches)
+    ]
 
 
 def test_the_commit_is_spread_over_steps(monkeypatch):
     n = 2 * commits.PER_STEP + 3  # three steps' worth of caches
     calls = []
     quantize = dispatch.quantize
-    monkeypatch.setattr(dispatch, "quantize", lambda *a: calls.append(a[0].shape[1]) or quantize(*a))
+    monkeypatch.setattr(
+        dispatch, "quantize", lambda *a: calls.append(a[0].shape[1]) or quantize(*a)
+    )
     caches = [KVarNCache(CFG) for _ in range(n)]
     prompt(caches)
     step(caches, 0)  # every tail holds a whole tile now
@@ -81,7 +87,8 @@ def test_a_long_step_commits_a_waiting_tile_at_once():
     step(caches, 1)  # the first PER_STEP caches commit; the others wait
     last = caches[-1]
     assert last.n_tiles == 0 and last.n_tail == G + 1
-    last.update_and_fetch(rand((1, 2, 40, D), 5), rand((1, 2, 40, D), 6))  # a prefill chunk: no waiting
+    # a prefill chunk: no waiting
+    last.update_and_fetch(rand((1, 2, 40, D), 5), rand((1, 2, 40, D), 6))
     assert last.n_tiles == 1 and last.n_tail == 41
 
 

@@ -30,10 +30,14 @@ def layers(configs, heads):
 def run(caches, heads, steps, prompt=S + G - 1, seed=0):
     """A prompt, then one token per step into every layer, as a model's forward does."""
     for i, (c, h) in enumerate(zip(caches, heads)):
-        c.update_and_fetch(rand((1, h, prompt, D), seed + 2 * i), rand((1, h, prompt, D), seed + 2 * i + 1))
+        c.update_and_fetch(
+            rand((1, h, prompt, D), seed + 2 * i), rand((1, h, prompt, D), seed + 2 * i + 1)
+        )
     for t in range(steps):
         for i, (c, h) in enumerate(zip(caches, heads)):
-            c.update_and_fetch(rand((1, h, 1, D), 1000 * t + 2 * i), rand((1, h, 1, D), 1000 * t + 2 * i + 1))
+            c.update_and_fetch(
+                rand((1, h, 1, D), 1000 * t + 2 * i), rand((1, h, 1, D), 1000 * t + 2 * i + 1)
+            )
     return caches
 
 
@@ -66,8 +70,11 @@ def test_a_commit_step_quantizes_once(monkeypatch):
     quantize = dispatch.quantize
     monkeypatch.setattr(dispatch, "quantize", lambda *a: calls.append(a[0].shape) or quantize(*a))
     caches = run([KVarNCache(CFG) for _ in range(5)], [2] * 5, steps=1)  # every tail full, waiting
-    run_steps = lambda n: [c.update_and_fetch(rand((1, 2, 1, D), 7), rand((1, 2, 1, D), 8))
-                           for _ in range(n) for c in caches]
+    run_steps = lambda n: [
+        c.update_and_fetch(rand((1, 2, 1, D), 7), rand((1, 2, 1, D), 8))
+        for _ in range(n)
+        for c in caches
+    ]
     for n_tiles in (1, 2):
         assert calls == []
         run_steps(1)  # the next update commits: one call, the 5 layers' heads side by side
@@ -85,7 +92,8 @@ def test_a_trim_after_the_call_is_not_fooled(monkeypatch):
     def steps(caches):
         caches[0].update_and_fetch(*new[0])
         caches[1].trim(1)
-        caches[1].update_and_fetch(rand((1, 2, 1, D), 70), rand((1, 2, 1, D), 71))  # full again, other tokens
+        # full again, other tokens
+        caches[1].update_and_fetch(rand((1, 2, 1, D), 70), rand((1, 2, 1, D), 71))
         for c, kv in zip(caches[1:], new[1:]):
             c.update_and_fetch(*kv)
         return caches
@@ -104,8 +112,16 @@ def test_generation_takes_the_same_tokens(monkeypatch):
 
     def generate(preset):
         cache = make_cache(model, preset, sink=16, group_size=64)
-        out = [t for t, _ in generate_step(prompt, model, prompt_cache=cache, max_tokens=140,
-                                           sampler=lambda lp: mx.argmax(lp, axis=-1))]
+        out = [
+            t
+            for t, _ in generate_step(
+                prompt,
+                model,
+                prompt_cache=cache,
+                max_tokens=140,
+                sampler=lambda lp: mx.argmax(lp, axis=-1),
+            )
+        ]
         return out, cache
 
     for preset in ("k4v2_g128", "auto2"):

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.e2e
 
 
 def test_decode_speed_quick(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_decode_speed", ROOT / "benchmarks" / "decode_speed.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_decode_speed", ROOT / "benchmarks" / "decode_speed.py"
+    )
     ds = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ds)
     folder = tiny_model_folder(tmp_path / "model")
@@ -23,17 +25,27 @@ def test_decode_speed_quick(tmp_path):
     ds.main(["--quick", "--model", str(folder), "--out", str(out)])
     data = json.loads((out / "decode_speed.json").read_text())
     contexts = [int(c) for c in ds.QUICK["contexts"].split(",")]
-    assert [(r["context"], r["method"]) for r in data["rows"]] == [(c, m) for c in contexts for m in ds.METHODS]
+    assert [(r["context"], r["method"]) for r in data["rows"]] == [
+        (c, m) for c in contexts for m in ds.METHODS
+    ]
     for r in data["rows"]:
         base = next(b for b in data["rows"] if b["context"] == r["context"] and b["method"] == "fp")
-        assert r["tokens_per_s"] > 0 and r["speed_vs_fp"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"])
+        assert r["tokens_per_s"] > 0 and r["speed_vs_fp"] == pytest.approx(
+            r["tokens_per_s"] / base["tokens_per_s"]
+        )
         assert 0 < r["build_s"] < r["s_per_token"]  # the model call is part of the step
         assert r["build_vs_fp"] == pytest.approx(r["build_s"] / base["build_s"])
         assert r["cache_bytes"] > 0
     presets = [m for m in ds.METHODS if m != "fp" and not m.startswith("mlxq")]
-    assert [(o["method"], o["context"]) for o in data["overhead"]] == [(m, c) for m in presets for c in contexts]
-    assert all(0 < o["fraction_of_decode"] and o["tile_s_all_layers_iters0"] > 0 and o["tile_s_per_layer_calls"] > 0
-               for o in data["overhead"])
+    assert [(o["method"], o["context"]) for o in data["overhead"]] == [
+        (m, c) for m in presets for c in contexts
+    ]
+    assert all(
+        0 < o["fraction_of_decode"]
+        and o["tile_s_all_layers_iters0"] > 0
+        and o["tile_s_per_layer_calls"] > 0
+        for o in data["overhead"]
+    )
     md = (out / "decode_speed.md").read_text()
     assert "python benchmarks/decode_speed.py --quick" in md and "dispatch.quantize" in md
     assert (out / "decode_speed.png").stat().st_size > 0

@@ -41,8 +41,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NATIVE = metal_emulator.NATIVE  # a real Metal device
 mslemu = None if NATIVE else metal_emulator.load()
 
-pytestmark = [pytest.mark.emulator,
-              pytest.mark.skipif(not NATIVE and mslemu is None, reason=metal_emulator.SKIP_REASON)]
+pytestmark = [
+    pytest.mark.emulator,
+    pytest.mark.skipif(not NATIVE and mslemu is None, reason=metal_emulator.SKIP_REASON),
+]
 
 ATT_TOL = 2e-5
 ATT_TOL_HALF = 4e-3
@@ -72,14 +74,17 @@ def _fresh_backend():
 
 # Quantization checker --------------------------------------------------------------
 
+
 class Stats:
     def __init__(self):
         self.codes = self.mismatch = self.tiles = self.switched = 0
         self.scale_rel = 0.0
 
     def __str__(self):
-        return (f"{self.tiles} tiles, {self.mismatch}/{self.codes} codes differ near ties, "
-                f"{self.switched} tie-switched iterates, max scale rel err {self.scale_rel:.2e}")
+        return (
+            f"{self.tiles} tiles, {self.mismatch}/{self.codes} codes differ near ties, "
+            f"{self.switched} tie-switched iterates, max scale rel err {self.scale_rel:.2e}"
+        )
 
 
 def check_quant(x, outs, bits, kind, rotated=True):
@@ -97,11 +102,19 @@ def check_quant(x, outs, bits, kind, rotated=True):
         c = min(cands, key=lambda c: rel_err(col[idx], c["col"]))
         stats.switched += c["iterate"] != cands[0]["iterate"]
         qmax = 2**bits - 1
-        for name, got, want in (("a", a[idx], c["a"]), ("b", b[idx], c["b"]), ("col", col[idx], c["col"])):
+        for name, got, want in (
+            ("a", a[idx], c["a"]),
+            ("b", b[idx], c["b"]),
+            ("col", col[idx], c["col"]),
+        ):
             err = rel_err(got, want)
             if name == "b":  # b = sr*lo may cancel to ~0: measure against the row's range qmax*a
-                err = float(np.max(np.abs(got - want) / np.maximum(np.abs(want), qmax * np.abs(c["a"]))))
-            assert err <= SCALE_RTOL, f"tile {idx} {name}: rel err {err:.2e} (iterate {c['iterate']})"
+                err = float(
+                    np.max(np.abs(got - want) / np.maximum(np.abs(want), qmax * np.abs(c["a"])))
+                )
+            assert err <= SCALE_RTOL, (
+                f"tile {idx} {name}: rel err {err:.2e} (iterate {c['iterate']})"
+            )
             stats.scale_rel = max(stats.scale_rel, err)
         diff = code[idx].astype(np.int64) - c["code"]
         bad = diff != 0
@@ -140,8 +153,13 @@ KERNEL_DIMS, KERNEL_GROUPS, BITS, KINDS = (64, 128, 256), (64, 128), (2, 3, 4, 5
 # Each case builds its own kernel. By default every head dim, tile size and width once,
 # each as keys and as values (D = 256 with G = 128: the 512-thread threadgroups);
 # the other combinations: -m slow.
-QUANT_GRID = grid(KERNEL_DIMS, KERNEL_GROUPS, BITS, KINDS,
-                  covering=[(*c, k) for c in diagonal(KERNEL_DIMS, KERNEL_GROUPS, BITS) for k in KINDS])
+QUANT_GRID = grid(
+    KERNEL_DIMS,
+    KERNEL_GROUPS,
+    BITS,
+    KINDS,
+    covering=[(*c, k) for c in diagonal(KERNEL_DIMS, KERNEL_GROUPS, BITS) for k in KINDS],
+)
 
 
 @pytest.mark.parametrize("D,G,bits,kind", QUANT_GRID)
@@ -153,9 +171,15 @@ def test_quantize_matches_reference(D, G, bits, kind):
         mx.eval(outs)
     n = x.shape[0] * x.shape[1]
     if kind == "k":
-        assert outs[0].shape == (*x.shape[:2], D, G * bits // 32) and outs[3].shape == (*x.shape[:2], G)
+        assert outs[0].shape == (*x.shape[:2], D, G * bits // 32) and outs[3].shape == (
+            *x.shape[:2],
+            G,
+        )
     else:
-        assert outs[0].shape == (*x.shape[:2], G, D * bits // 32) and outs[3].shape == (*x.shape[:2], D)
+        assert outs[0].shape == (*x.shape[:2], G, D * bits // 32) and outs[3].shape == (
+            *x.shape[:2],
+            D,
+        )
     stats = check_quant(x, outs, bits, kind)
     assert stats.tiles == n
     print(f"\n{kind} D={D} G={G} bits={bits}: {stats}")
@@ -214,14 +238,22 @@ def test_quantize_iters_zero_and_8bit():
         k = kernels.quantize_keys_metal(x, 8, 0, True, "float32")
         v = kernels.quantize_values_metal(x, 8, 0, True, "float32")
         mx.eval(k, v)
-    for got, want in ((k, quant.quantize_keys(x, 8, 0, True, "float32")),
-                      (v, quant.quantize_values(x, 8, 0, True, "float32"))):
-        assert np.abs(np.array(got[0]).view(np.uint8).astype(int) - np.array(want[0]).view(np.uint8)).max() <= 1
+    for got, want in (
+        (k, quant.quantize_keys(x, 8, 0, True, "float32")),
+        (v, quant.quantize_values(x, 8, 0, True, "float32")),
+    ):
+        assert (
+            np.abs(
+                np.array(got[0]).view(np.uint8).astype(int) - np.array(want[0]).view(np.uint8)
+            ).max()
+            <= 1
+        )
         for g, w in zip(got[1:], want[1:]):
             assert rel_err(g, w) < 1e-5
 
 
 # Attention -------------------------------------------------------------------------------
+
 
 def _cache(rng, B, Hkv, D, G, S, ctx, kb, vb, dtype, spare=1):
     """A layer's cache holding ctx tokens: S sink, n tiles (capacity n + spare), tail."""
@@ -230,11 +262,16 @@ def _cache(rng, B, Hkv, D, G, S, ctx, kb, vb, dtype, spare=1):
     ncap = n + spare
     k = mx.array(rng.standard_normal((B, Hkv, ncap, G, D)).astype(np.float32))
     v = mx.array(rng.standard_normal((B, Hkv, ncap, G, D)).astype(np.float32))
-    k = k + mx.array(rng.standard_normal((1, 1, 1, 1, D)).astype(np.float32) * 3)  # K-like channel offsets
+    # K-like channel offsets
+    k = k + mx.array(rng.standard_normal((1, 1, 1, 1, D)).astype(np.float32) * 3)
     kq = quant.quantize_keys(k, kb)
     vq = quant.quantize_values(v, vb)
-    dense = lambda n_: mx.array(rng.standard_normal((B, Hkv, n_, D)).astype(np.float32)).astype(dtype)
-    return dict(sink_k=dense(S), sink_v=dense(S), kq=kq, vq=vq, n=n, tail_k=dense(T), tail_v=dense(T))
+    dense = lambda n_: mx.array(rng.standard_normal((B, Hkv, n_, D)).astype(np.float32)).astype(
+        dtype
+    )
+    return dict(
+        sink_k=dense(S), sink_v=dense(S), kq=kq, vq=vq, n=n, tail_k=dense(T), tail_v=dense(T)
+    )
 
 
 def _attention_reference(q, c, scale, kb, vb, causal=True):
@@ -247,19 +284,53 @@ def _attention_reference(q, c, scale, kb, vb, causal=True):
     out = np.zeros((B, Hq, L, D))
     for b in range(B):
         for h in range(Hkv):
-            kts = [(np.array(quant.unpack(kw[b, h, i], kb)), f(ka[b, h, i]), f(kb_[b, h, i]), f(kt[b, h, i]))
-                   for i in range(c["n"])]
-            vts = [(np.array(quant.unpack(vw[b, h, i], vb)), f(va[b, h, i]), f(vb_[b, h, i]), f(vc[b, h, i]))
-                   for i in range(c["n"])]
-            out[b, h * n_rep:(h + 1) * n_rep] = ref.attention(
-                f(q[b, h * n_rep:(h + 1) * n_rep]), f(c["sink_k"][b, h]), f(c["sink_v"][b, h]), kts, vts,
-                f(c["tail_k"][b, h]), f(c["tail_v"][b, h]), scale, causal=causal)
+            kts = [
+                (
+                    np.array(quant.unpack(kw[b, h, i], kb)),
+                    f(ka[b, h, i]),
+                    f(kb_[b, h, i]),
+                    f(kt[b, h, i]),
+                )
+                for i in range(c["n"])
+            ]
+            vts = [
+                (
+                    np.array(quant.unpack(vw[b, h, i], vb)),
+                    f(va[b, h, i]),
+                    f(vb_[b, h, i]),
+                    f(vc[b, h, i]),
+                )
+                for i in range(c["n"])
+            ]
+            out[b, h * n_rep : (h + 1) * n_rep] = ref.attention(
+                f(q[b, h * n_rep : (h + 1) * n_rep]),
+                f(c["sink_k"][b, h]),
+                f(c["sink_v"][b, h]),
+                kts,
+                vts,
+                f(c["tail_k"][b, h]),
+                f(c["tail_v"][b, h]),
+                scale,
+                causal=causal,
+            )
     return out
 
 
 def _att_args(q, c, scale, kb, vb, causal=True, rotate_keys=True, rotate_values=True):
-    storage = append(None, Tiles(*c["kq"], *c["vq"]), 0)  # capacity: c["n"] tiles and the spare ones
-    view = StepView(c["sink_k"], c["sink_v"], storage, c["n"], c["tail_k"], c["tail_v"], kb, vb, rotate_keys, rotate_values)
+    # capacity: c["n"] tiles and the spare ones
+    storage = append(None, Tiles(*c["kq"], *c["vq"]), 0)
+    view = StepView(
+        c["sink_k"],
+        c["sink_v"],
+        storage,
+        c["n"],
+        c["tail_k"],
+        c["tail_v"],
+        kb,
+        vb,
+        rotate_keys,
+        rotate_values,
+    )
     return q, view, scale, causal
 
 
@@ -271,7 +342,8 @@ ATT_CASES = [
     (128, 64, 4, 4, 4, 4, 0, 777, 1, mx.float32),
     (256, 128, 2, 2, 1, 8, 128, 900, 1, mx.float32),
     (256, 64, 4, 2, 8, 2, 0, 450, 1, mx.bfloat16),
-    (128, 128, 4, 2, 4, 3, 128, 128 + 2 * 128, 1, mx.float32),  # empty tail: queries end inside the last tile
+    # empty tail: queries end inside the last tile
+    (128, 128, 4, 2, 4, 3, 128, 128 + 2 * 128, 1, mx.float32),
     (64, 64, 2, 4, 4, 1, 128, 130, 1, mx.float32),  # no tiles yet
     (64, 64, 4, 2, 8, 2, 128, 2500, 1, mx.float32),  # many splits, two row chunks (R = 16)
     # every width as keys and as values; at 3, 5 and 6 bits codes straddle words
@@ -297,7 +369,7 @@ def test_attention_matches_reference(D, G, kb, vb, n_rep, L, S, ctx, B, dtype):
     Hkv = 2
     c = _cache(rng, B, Hkv, D, G, S, ctx, kb, vb, dtype)
     q = mx.array(rng.standard_normal((B, Hkv * n_rep, L, D)).astype(np.float32)).astype(dtype)
-    scale = D ** -0.5
+    scale = D**-0.5
     want = _attention_reference(q, c, scale, kb, vb)
     args = _att_args(q, c, scale, kb, vb)
     with metal():
@@ -308,7 +380,10 @@ def test_attention_matches_reference(D, G, kb, vb, n_rep, L, S, ctx, B, dtype):
     tol = (ATT_TOL if dtype == mx.float32 else ATT_TOL_HALF) * np.abs(want).max()
     for name, o in (("kernel", got), ("ops", ops)):
         err = np.abs(np.array(o.astype(mx.float32)) - want).max()
-        print(f"\n{name} D={D} G={G} k{kb}v{vb} n_rep={n_rep} L={L} S={S} ctx={ctx}: max err {err:.2e} (tol {tol:.2e})")
+        print(
+            f"\n{name} D={D} G={G} k{kb}v{vb} n_rep={n_rep} L={L} S={S} ctx={ctx}: max err "
+            f"{err:.2e} (tol {tol:.2e})"
+        )
         assert err <= tol, f"{name}: {err:.3e} > {tol:.3e}"
 
 
@@ -348,7 +423,9 @@ def _small_run(kb=4, vb=2, G=64):
     kq = tuple(a.reshape(1, 1, *a.shape[1:]) for a in kq)
     vq = tuple(a.reshape(1, 1, *a.shape[1:]) for a in vq)
     dense = lambda n_: mx.array(rng.standard_normal((1, 1, n_, D)).astype(np.float32))
-    c = dict(sink_k=dense(64), sink_v=dense(64), kq=kq, vq=vq, n=2, tail_k=dense(10), tail_v=dense(10))
+    c = dict(
+        sink_k=dense(64), sink_v=dense(64), kq=kq, vq=vq, n=2, tail_k=dense(10), tail_v=dense(10)
+    )
     q = mx.array(rng.standard_normal((1, 2, 2, D)).astype(np.float32))
     got = kernels.packed_attention_metal(*_att_args(q, c, 0.125, kb, vb))
     mx.eval(got)
@@ -365,6 +442,7 @@ def small_baseline():
             with metal():
                 runs[config] = _small_run(*config)
         return runs[config]
+
     return get
 
 
@@ -379,15 +457,25 @@ MODES = {
 # poisoned memory on codes that straddle words (G = 128 packed in two passes), thread
 # sanitizer (the slowest) on the first configuration, thread orders on k6v8; all 15 pairs
 # with -m slow.
-MODE_GRID = grid(SMALL, list(MODES), ids=lambda c: "k{}v{}_g{}-{}".format(*c[0], c[1]), covering=[
-    ((3, 5, 128), "asan+ubsan"), ((4, 2, 64), "tsan"), ((3, 5, 128), "tg_poison"),
-    ((6, 8, 64), "reverse"), ((6, 8, 64), "random")])
+MODE_GRID = grid(
+    SMALL,
+    list(MODES),
+    ids=lambda c: "k{}v{}_g{}-{}".format(*c[0], c[1]),
+    covering=[
+        ((3, 5, 128), "asan+ubsan"),
+        ((4, 2, 64), "tsan"),
+        ((3, 5, 128), "tg_poison"),
+        ((6, 8, 64), "reverse"),
+        ((6, 8, 64), "random"),
+    ],
+)
 
 
 @pytest.mark.skipif(NATIVE, reason="emulator modes; natively the main tests cover the kernels")
 @pytest.mark.parametrize("config,mode", MODE_GRID)
 def test_emulator_bug_hunting_modes(config, mode, small_baseline, monkeypatch):
-    monkeypatch.delenv("LD_PRELOAD", raising=False)  # sanitizer runtimes must load first in the kernel process
+    # sanitizer runtimes must load first in the kernel process
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
     kb, vb, G = config
     bx, bkq, bvq, bq, bc, bgot = small_baseline(config)
     with metal(**MODES[mode]):
@@ -402,7 +490,9 @@ def test_emulator_bug_hunting_modes(config, mode, small_baseline, monkeypatch):
 @pytest.mark.skipif(NATIVE, reason="emulator lint")
 def test_clang_address_space_lint():
     if mslemu._find_clang() is None:
-        pytest.skip("clang++ not installed (apt-get install -y clang-19): address-space lint not run")
+        pytest.skip(
+            "clang++ not installed (apt-get install -y clang-19): address-space lint not run"
+        )
     with metal(lint="1"):
         x, kq, vq, q, c, got = _small_run()
         # no sink, no tail: 1-element placeholder buffers land in the `constant` address space
@@ -414,6 +504,7 @@ def test_clang_address_space_lint():
 
 
 # Dispatch -------------------------------------------------------------------------------------
+
 
 def test_backend_switch():
     dispatch.set_backend("ops")
@@ -429,15 +520,22 @@ def test_backend_switch():
 
 
 def test_env_switch_and_quiet_import():
-    code = ("import logging, warnings; logging.basicConfig(level=logging.DEBUG); warnings.simplefilter('error');"
-            "import kvarn_mlx, kvarn_mlx.dispatch as k; print(k.get_backend(), k.available(), k.use_metal())")
+    code = (
+        "import logging, warnings; logging.basicConfig(level=logging.DEBUG); "
+        "warnings.simplefilter('error');import kvarn_mlx, kvarn_mlx.dispatch as k; "
+        "print(k.get_backend(), k.available(), k.use_metal())"
+    )
     env = dict(os.environ, KVARN_MLX_KERNELS="ops")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
+    p = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.split()[0] == "ops" and p.stdout.split()[2] == "False"
     assert p.stderr == ""
     env["KVARN_MLX_KERNELS"] = "auto"
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
+    p = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT
+    )
     assert p.returncode == 0 and p.stderr == "", p.stderr  # no Metal here: silent ops path
     assert p.stdout.split()[0] == "auto"
 
@@ -479,6 +577,7 @@ def test_forced_metal_without_device_uses_ops(caplog):
 
 # End to end: greedy decoding of a tiny random-weight model ------------------------------------
 
+
 def _greedy(model, caches, prompt, n):
     logits = model(mx.array(prompt)[None], cache=caches)
     out, gaps = [], []
@@ -505,9 +604,11 @@ def test_greedy_generation_same_tokens_with_kernels(monkeypatch, rotate_keys):
     from kvarn_mlx.config import KVarNConfig
 
     cfg = KVarNConfig(k_bits=4, v_bits=2, group_size=64, sink=32, rotate_keys=rotate_keys)
-    prompt = models.tokens(150, seed=3)  # sink 32 + 1 tile + 54 in the tail: decode fills the 2nd tile
+    # sink 32 + 1 tile + 54 in the tail: decode fills the 2nd tile
+    prompt = models.tokens(150, seed=3)
     model = models.tiny_model("llama64")
-    if rotate_keys == "auto":  # big per-channel key gains on kv head 0 only: it drops rotation, head 1 keeps it
+    # big per-channel key gains on kv head 0 only: it drops rotation, head 1 keeps it
+    if rotate_keys == "auto":
         for layer in model.layers:
             gain = mx.ones((128, 1)).at[mx.array([3, 17, 40])].multiply(30.0)
             layer.self_attn.k_proj.weight = layer.self_attn.k_proj.weight * gain
@@ -522,6 +623,7 @@ def test_greedy_generation_same_tokens_with_kernels(monkeypatch, rotate_keys):
         def f(*a, **k):
             calls[name] = calls.get(name, 0) + 1
             return fn(*a, **k)
+
         monkeypatch.setattr(kernels, name, f)
 
     counted("packed_attention_metal")
@@ -552,6 +654,7 @@ def test_device_self_test(monkeypatch, caplog):
 
     def broken(*a, **k):
         raise RuntimeError("[metal::Device] Unable to build metal library")
+
     monkeypatch.setattr(kernels, "_quantize_metal", broken)
     with metal(), caplog.at_level(logging.WARNING, logger="kvarn_mlx.kernels"):
         assert kernels._self_test() is False
@@ -559,9 +662,11 @@ def test_device_self_test(monkeypatch, caplog):
     assert sum("failed on this device" in r.getMessage() for r in caplog.records) == 1
 
     monkeypatch.setattr(kernels, "_self_test_result", None)
+
     def zeroed(x, bits, iters, rotated, scale_dtype, keys):
         ops = quant.quantize_keys if keys else quant.quantize_values
         return tuple(o * 0 for o in ops(x, bits, iters, rotated, scale_dtype))
+
     monkeypatch.setattr(kernels, "_quantize_metal", zeroed)
     with metal():
         assert kernels._self_test() is False  # wrong numbers, no exception

@@ -24,19 +24,21 @@ from test_attention import check_close, feed, kv_data, reference_output, step
 
 # (D, GQA ratio, G, k_bits, v_bits, sink, tokens already cached, L of the chunk)
 CASES = [
-    (64, 3, 64, 4, 2, 128, 128 + 3 * 64 + 20, 40),    # 20 + 40 stays in the tail
-    (64, 1, 128, 2, 2, 0, 2 * 128 + 100, 200),        # completes two tiles in the step
+    (64, 3, 64, 4, 2, 128, 128 + 3 * 64 + 20, 40),  # 20 + 40 stays in the tail
+    (64, 1, 128, 2, 2, 0, 2 * 128 + 100, 200),  # completes two tiles in the step
     (128, 7, 128, 4, 4, 128, 128 + 128 + 77, 64),
-    (128, 3, 64, 2, 4, 128, 128 + 5 * 64, 129),       # starts at a tile boundary
+    (128, 3, 64, 2, 4, 128, 128 + 5 * 64, 129),  # starts at a tile boundary
     (256, 1, 128, 4, 2, 0, 3 * 128 + 5, 16),
-    (64, 3, 64, 4, 2, 128, 90, 100),                  # the chunk fills the sink and starts the tail
+    (64, 3, 64, 4, 2, 128, 90, 100),  # the chunk fills the sink and starts the tail
 ]
 
 
 def _view_of_step(case, seed=0, scale_dtype="float16"):
     D, gqa, G, kb, vb, sink, T, L = case
     rng = np.random.default_rng([D, T, L, seed])
-    cache = KVarNCache(KVarNConfig(k_bits=kb, v_bits=vb, group_size=G, sink=sink, scale_dtype=scale_dtype))
+    cache = KVarNCache(
+        KVarNConfig(k_bits=kb, v_bits=vb, group_size=G, sink=sink, scale_dtype=scale_dtype)
+    )
     k, v = kv_data(rng, 1, 2, T, D)
     feed(cache, k, v)
     q, _, _, K, V = step(cache, rng, 1, 2 * gqa, L, D)
@@ -129,7 +131,9 @@ def test_auto_rotation_per_head():
     view = cache.step_view()
     want = reference_output(cache, q, D**-0.5) if bool(cache.rotate_k.all()) else None
     got = prefill.attend_dequantized(q, view, D**-0.5, mask="causal")
-    check_close(got, np.array(attention.attend(q, view, D**-0.5, mask="causal")).astype(np.float64), "auto")
+    check_close(
+        got, np.array(attention.attend(q, view, D**-0.5, mask="causal")).astype(np.float64), "auto"
+    )
     if want is not None:
         check_close(got, want, "auto vs reference")
 
@@ -141,13 +145,16 @@ def test_route(monkeypatch):
     monkeypatch.setitem(prefill.MIN_QUERIES, device, 16)
     calls = []
     real = prefill.attend_dequantized
-    monkeypatch.setattr(prefill, "attend_dequantized", lambda *a, **k: calls.append(a[0].shape[2]) or real(*a, **k))
+    monkeypatch.setattr(
+        prefill, "attend_dequantized", lambda *a, **k: calls.append(a[0].shape[2]) or real(*a, **k)
+    )
     for L, want in ((15, False), (16, True), (1, False)):
         cache, q, alive = _view_of_step((64, 3, 64, 4, 2, 128, 128 + 3 * 64 + 20, L))
         calls.clear()
         attention.packed_attention(q, cache, 0.125, mask="causal" if L > 1 else None)
         assert bool(calls) == want, L
-    cache, q, alive = _view_of_step((64, 3, 64, 4, 2, 128, 100, 20))  # inside the sink and tail: no tile
+    # inside the sink and tail: no tile
+    cache, q, alive = _view_of_step((64, 3, 64, 4, 2, 128, 100, 20))
     calls.clear()
     attention.packed_attention(q, cache, 0.125, mask="causal")
     assert calls == [20]
@@ -174,7 +181,9 @@ def test_model_prefill_matches_packed_only(monkeypatch):
     a, b = np.array(with_prefill), np.array(packed_only)
     assert np.abs(a - b).max() <= 1e-3 * np.abs(b).max()
     plain = mlx_cache.make_prompt_cache(model)
-    ref_logits = mx.concatenate([model(ids[:, s : s + 256], cache=plain) for s in range(0, 700, 256)], axis=1)
+    ref_logits = mx.concatenate(
+        [model(ids[:, s : s + 256], cache=plain) for s in range(0, 700, 256)], axis=1
+    )
     assert not np.allclose(a, np.array(ref_logits), atol=1e-6)  # the tiles were really quantized
 
 
@@ -220,11 +229,16 @@ def test_query_blocks(monkeypatch, kind):
     whole = prefill.attend_dequantized(q, view, 0.125, mask=mask, sinks=sinks)
     rows = prefill.query_block(1, Hq, T)
     assert rows >= L  # the default budget: one block here
-    monkeypatch.setattr(prefill, "SCORE_BYTES", 4 * Hq * T * 32)  # 32 rows a block: 4 blocks, the last short
+    # 32 rows a block: 4 blocks, the last short
+    monkeypatch.setattr(prefill, "SCORE_BYTES", 4 * Hq * T * 32)
     assert prefill.query_block(1, Hq, T) == 32
     calls = []
     real = mx.fast.scaled_dot_product_attention
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", lambda q, *a, **k: calls.append(q.shape[2]) or real(q, *a, **k))
+    monkeypatch.setattr(
+        mx.fast,
+        "scaled_dot_product_attention",
+        lambda q, *a, **k: calls.append(q.shape[2]) or real(q, *a, **k),
+    )
     blocked = prefill.attend_dequantized(q, view, 0.125, mask=mask, sinks=sinks)
     assert calls == [32, 32, 32, 4]
     np.testing.assert_allclose(np.array(blocked), np.array(whole), rtol=1e-5, atol=1e-5)

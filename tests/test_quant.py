@@ -32,9 +32,9 @@ class Stats:
     def __str__(self):
         return (
             f"{self.tiles} tiles, {self.mismatch}/{self.codes} codes differ "
-            f"({100 * self.mismatch / max(self.codes, 1):.4f}%), {self.switched} tie-switched iterates, "
-            f"max scale rel err {self.scale_rel:.2e}, max |deq-ref| {self.deq_steps:.3f} steps, "
-            f"max |deq-x| {self.half_steps:.4f} steps"
+            f"({100 * self.mismatch / max(self.codes, 1):.4f}%), {self.switched} tie-switched "
+            f"iterates, max scale rel err {self.scale_rel:.2e}, max |deq-ref| "
+            f"{self.deq_steps:.3f} steps, max |deq-x| {self.half_steps:.4f} steps"
         )
 
 
@@ -80,9 +80,14 @@ def check_call(x, bits, kind, rotated=True, fn=None):
     check every tile against the reference. Returns the Stats."""
     if fn is None:
         fn = quant.quantize_keys if kind == "k" else quant.quantize_values
-    words, a, b, col = fn(x, bits, rotated=rotated, scale_dtype="float32") if fn in (
-        quant.quantize_keys, quant.quantize_values) else fn(x)
-    deq = (quant.dequantize_keys if kind == "k" else quant.dequantize_values)(words, a, b, col, bits)
+    words, a, b, col = (
+        fn(x, bits, rotated=rotated, scale_dtype="float32")
+        if fn in (quant.quantize_keys, quant.quantize_values)
+        else fn(x)
+    )
+    deq = (quant.dequantize_keys if kind == "k" else quant.dequantize_values)(
+        words, a, b, col, bits
+    )
     mx.eval(words, a, b, col, deq)
     assert a.dtype == b.dtype == col.dtype == mx.float32
     code = np.array(quant.unpack(words, bits))
@@ -102,6 +107,7 @@ def check_call(x, bits, kind, rotated=True, fn=None):
 
 
 # Tiles ---------------------------------------------------------------------------
+
 
 def adversarial(rng, G, D):
     """Tiles [G, D] (tokens x channels), stacked: the edge cases quantization must handle."""
@@ -150,15 +156,21 @@ def _report(label, stats):
 KINDS = ("k", "v")
 # Every head dim, tile size and width once, each as keys and as values; (80, 128, 3, "v")
 # is the refused case (value rows that do not fill uint32 words). The rest: -m slow.
-OPS_GRID = grid(DIMS, GROUPS, BITS, KINDS,
-                covering=[(*c, kind) for c in diagonal(DIMS, GROUPS, BITS) for kind in KINDS])
+OPS_GRID = grid(
+    DIMS,
+    GROUPS,
+    BITS,
+    KINDS,
+    covering=[(*c, kind) for c in diagonal(DIMS, GROUPS, BITS) for kind in KINDS],
+)
 
 
 @pytest.mark.parametrize("D,G,bits,kind", OPS_GRID)
 def test_ops_match_reference(D, G, bits, kind):
     rng = np.random.default_rng([D, G, bits, kind == "k"])
     x = mx.array(batch(rng, G, D))
-    if kind == "v" and D * bits % 32:  # e.g. D=80 at 3 or 5 bits: value rows do not fill uint32 words
+    # e.g. D=80 at 3 or 5 bits: value rows do not fill uint32 words
+    if kind == "v" and D * bits % 32:
         with pytest.raises(ValueError, match=f"head dim {D} is not supported at {bits} bits"):
             quant.quantize_values(x, bits)
         return
@@ -211,6 +223,7 @@ def test_checker_can_fail():
 
 # Section 7: the codes feed mx.quantized_matmul ---------------------------------------
 
+
 def _tol(x, y_abs):
     """float32 accumulation: a few ulps of the sum of |terms|."""
     return 1e-5 * y_abs + 1e-6
@@ -221,8 +234,13 @@ SCALE_DTYPES = ("float16", "float32")
 
 def matmul_grid(dims):
     """Every head dim, tile size and width once, with each scale dtype; the rest -m slow."""
-    return grid(dims, GROUPS, BITS, SCALE_DTYPES,
-                covering=[(*c, s) for c in diagonal(dims, GROUPS, BITS) for s in SCALE_DTYPES])
+    return grid(
+        dims,
+        GROUPS,
+        BITS,
+        SCALE_DTYPES,
+        covering=[(*c, s) for c in diagonal(dims, GROUPS, BITS) for s in SCALE_DTYPES],
+    )
 
 
 @pytest.mark.parametrize("D,G,bits,scale_dtype", matmul_grid((64, 80, 128, 256)))
@@ -232,9 +250,12 @@ def test_key_scores_via_quantized_matmul(D, G, bits, scale_dtype):
     words, a, b, t = quant.quantize_keys(k, bits, scale_dtype=scale_dtype)
     q_rot = quant.rotate(mx.array(rng.standard_normal((3, 2, 2, 4, D)).astype(np.float32)))
     a32, b32, t32 = (s.astype(mx.float32) for s in (a, b, t))
-    scores = mx.quantized_matmul(
-        q_rot, words, a32[..., None], b32[..., None], transpose=False, group_size=G, bits=bits
-    ) * t32[..., None, :]
+    scores = (
+        mx.quantized_matmul(
+            q_rot, words, a32[..., None], b32[..., None], transpose=False, group_size=G, bits=bits
+        )
+        * t32[..., None, :]
+    )
     K_hat = quant.dequantize_keys(words, a, b, t, bits)  # [..., G, D]
     want = q_rot @ mx.swapaxes(K_hat, -1, -2)
     bound = mx.abs(q_rot) @ mx.swapaxes(mx.abs(K_hat), -1, -2)
@@ -271,6 +292,7 @@ def test_value_output_via_quantized_matmul(D, G, bits, scale_dtype):
 
 # Bad input ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", ("k", "v"))
 def test_nan_inf_give_documented_safe_result(kind):
     fn = quant.quantize_keys if kind == "k" else quant.quantize_values
@@ -305,7 +327,9 @@ FLOAT16_PRECISION_LOST = {(1e-7, 5, "v"), (1e-7, 6, "v"), (1e-7, 8, "v"), (1e-7,
 @pytest.mark.parametrize("mag", (1e-7, 1e5, 1e6, 1e7))
 def test_float16_scales_never_overflow(mag, bits, kind, request):
     if (mag, bits, kind) in FLOAT16_PRECISION_LOST:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="a step below float16's normal range"))
+        request.applymarker(
+            pytest.mark.xfail(strict=True, reason="a step below float16's normal range")
+        )
     # Uniform in +/-mag keeps |x| below quant.LIMIT, so nothing is clamped.
     fn = quant.quantize_keys if kind == "k" else quant.quantize_values
     dq = quant.dequantize_keys if kind == "k" else quant.dequantize_values
@@ -320,7 +344,9 @@ def test_float16_scales_never_overflow(mag, bits, kind, request):
     assert (col > 0).all()
     deq = np.array(dq(words, mx.array(a), mx.array(b), mx.array(col), bits))
     x_rot = np.array(quant.rotate(mx.array(x)))
-    step = a[..., None, :] * col[..., :, None] if kind == "k" else a[..., :, None] * col[..., None, :]
+    step = (
+        a[..., None, :] * col[..., :, None] if kind == "k" else a[..., :, None] * col[..., None, :]
+    )
     # The per-element step itself overflows (huge) or underflows (tiny) float16:
     # only the split between row and column factors keeps the storage finite.
     if mag / (2**bits - 1) > 65504 / 4:  # the largest step is about 4.5 * mag / qmax here
@@ -347,7 +373,9 @@ def test_unsupported_head_dim_names_it(D, bits):
 @pytest.mark.parametrize("shape", ((128,), (1, 64), (0, 64)))
 def test_wrong_rank_or_tokens_names_the_shape(shape):
     for fn in (quant.quantize_keys, quant.quantize_values):
-        with pytest.raises(ValueError, match=str(tuple(shape)).replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(
+            ValueError, match=str(tuple(shape)).replace("(", r"\(").replace(")", r"\)")
+        ):
             fn(mx.zeros(shape), 2)
 
 

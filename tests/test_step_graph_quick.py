@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_step_graph", ROOT / "benchmarks" / "step_graph.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_step_graph", ROOT / "benchmarks" / "step_graph.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -37,13 +39,23 @@ def test_metal_graph_stands_in_one_primitive_per_kernel_and_fast_op():
     ops = sg.primitives(mx.fast.rms_norm(x, w, 1e-5))[0]
     with sg.metal_graph():
         y = mx.fast.rms_norm(x, w, 1e-5)
-        kernel = mx.fast.metal_kernel(name="k", input_names=["x"], output_names=["a", "b"], source="")
-        a, b = kernel(inputs=[x * 2], grid=(1, 1, 1), threadgroup=(1, 1, 1),
-                      output_shapes=[(3,), (2, 2)], output_dtypes=[mx.float32, mx.uint32])
+        kernel = mx.fast.metal_kernel(
+            name="k", input_names=["x"], output_names=["a", "b"], source=""
+        )
+        a, b = kernel(
+            inputs=[x * 2],
+            grid=(1, 1, 1),
+            threadgroup=(1, 1, 1),
+            output_shapes=[(3,), (2, 2)],
+            output_dtypes=[mx.float32, mx.uint32],
+        )
     assert ops > 1 and sg.primitives(y) == (1, {"Depends": 1})
     assert a.shape == (3,) and b.dtype == mx.uint32
     assert sg.primitives(a, b)[1] == {"Depends": 1, "Multiply": 1, "Broadcast": 1}
-    assert mx.fast.rms_norm(x, w, 1e-5).shape == x.shape and sg.primitives(mx.fast.rms_norm(x, w, 1e-5))[0] == ops
+    assert (
+        mx.fast.rms_norm(x, w, 1e-5).shape == x.shape
+        and sg.primitives(mx.fast.rms_norm(x, w, 1e-5))[0] == ops
+    )
 
 
 @pytest.mark.e2e
@@ -55,7 +67,8 @@ def test_step_graph_quick(tmp_path):
     data = json.loads((out / "step_graph.json").read_text())
     ctx = int(sg.QUICK["contexts"])
     assert [(r["path"], r["context"], r["method"]) for r in data["rows"]] == [
-        (p, ctx, m) for p in sg.PATHS for m in sg.METHODS]
+        (p, ctx, m) for p in sg.PATHS for m in sg.METHODS
+    ]
     rows = {(r["path"], r["method"]): r for r in data["rows"]}
     for (path, method), r in rows.items():
         assert r["build_s"] > 0 and r["primitives"] == sum(r["by_primitive"].values())
@@ -67,12 +80,17 @@ def test_step_graph_quick(tmp_path):
             assert r["commit_primitives"] > r["primitives"]
             assert ("QuantizedMatmul" in r["by_primitive"]) == (path == "ops")
     # Each method quantizes its own tiles in its commit step (not another's, nor another its).
-    assert all(rows["ops", m]["commit_primitives"] > 2 * rows["ops", m]["primitives"] for m in sg.METHODS[1:])
+    assert all(
+        rows["ops", m]["commit_primitives"] > 2 * rows["ops", m]["primitives"]
+        for m in sg.METHODS[1:]
+    )
     # Kernels and fast ops are one primitive each on the Metal path.
     assert rows["metal", sg.PLAIN]["primitives"] < rows["ops", sg.PLAIN]["primitives"]
     assert "Depends" in rows["metal", "k4v2_g128"]["by_primitive"]
     md = (out / "step_graph.md").read_text()
-    assert "python benchmarks/step_graph.py --quick" in md and md.count("\n| ") == 1 + len(data["rows"])
+    assert "python benchmarks/step_graph.py --quick" in md and md.count("\n| ") == 1 + len(
+        data["rows"]
+    )
 
 
 @pytest.mark.e2e
@@ -81,12 +99,27 @@ def test_step_graph_quick_batch(tmp_path):
     sg = _load()
     folder = tiny_model_folder(tmp_path / "model")
     out = tmp_path / "results"
-    sg.main(["--quick", "--rows", "3", "--methods", "fp,k4v2_g128", "--model", str(folder), "--out", str(out)])
+    sg.main(
+        [
+            "--quick",
+            "--rows",
+            "3",
+            "--methods",
+            "fp,k4v2_g128",
+            "--model",
+            str(folder),
+            "--out",
+            str(out),
+        ]
+    )
     data = json.loads((out / "step_graph.json").read_text())
-    assert data["batch_rows"] == 3 and [(r["path"], r["method"], r["rows"]) for r in data["rows"]] == [
-        (p, m, 3) for p in sg.PATHS for m in ("fp", "k4v2_g128")]
+    assert data["batch_rows"] == 3 and [
+        (r["path"], r["method"], r["rows"]) for r in data["rows"]
+    ] == [(p, m, 3) for p in sg.PATHS for m in ("fp", "k4v2_g128")]
     lengths = sg.row_lengths(int(sg.QUICK["contexts"]), 3)
-    assert lengths == sorted(set(lengths)) and lengths[-1] == int(sg.QUICK["contexts"]) - sg.WARMUP - 1
+    assert (
+        lengths == sorted(set(lengths)) and lengths[-1] == int(sg.QUICK["contexts"]) - sg.WARMUP - 1
+    )
     for r in data["rows"]:
         assert r["primitives"] > 0 and r["build_s"] > 0
     assert "Batched: 3 sequences" in (out / "step_graph.md").read_text()

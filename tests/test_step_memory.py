@@ -43,7 +43,8 @@ def step_peak(c, n_rep):
     gc.collect()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
-    keys, values = c.update_and_fetch(k, k)  # held, as a model holds them through its attention call
+    # held, as a model holds them through its attention call
+    keys, values = c.update_and_fetch(k, k)
     out = attention.packed_attention(q, c, D**-0.5)
     mx.eval(out, c.held_arrays())
     return mx.get_peak_memory() - base
@@ -71,8 +72,12 @@ def test_ops_step_allocates_less_than_a_copy_of_the_tiles(ops_path):
     caches = [filled(ctx) for ctx in CONTEXTS]
     peaks = [step_peak(c, n_rep=1) for c in caches]
     growth, storage = peaks[1] - peaks[0], tile_bytes(caches[1]) - tile_bytes(caches[0])
-    print(f"\nstep peak {peaks[0]} -> {peaks[1]} bytes (+{growth}); tile storage +{storage} ({growth / storage:.2f}x)")
-    assert all(c.tiles.capacity > c.n_tiles for c in caches)  # room the step must skip, not slice away
+    print(
+        f"\nstep peak {peaks[0]} -> {peaks[1]} bytes (+{growth}); tile storage +{storage} "
+        f"({growth / storage:.2f}x)"
+    )
+    # room the step must skip, not slice away
+    assert all(c.tiles.capacity > c.n_tiles for c in caches)
     assert growth <= 0.6 * storage
 
 
@@ -97,8 +102,10 @@ def test_ops_path_hands_quantized_matmul_views_of_the_storage(ops_path, monkeypa
     mx.eval(attention.packed_attention(mx.ones((1, H, 1, D)), c, 0.1), *seen)
     # K then V words per range of tiles (one range, or one per CPU stream)
     assert len(seen) == 2 * len(attention._tile_ranges(c.n_tiles)) and c.tiles.capacity > c.n_tiles
-    assert all(_shares_storage(k, c.tiles.k_words) and _shares_storage(v, c.tiles.v_words)
-               for k, v in zip(seen[::2], seen[1::2]))
+    assert all(
+        _shares_storage(k, c.tiles.k_words) and _shares_storage(v, c.tiles.v_words)
+        for k, v in zip(seen[::2], seen[1::2])
+    )
     assert sum(k.shape[0] for k in seen[::2]) == c.n_tiles  # only the valid tiles are read
 
 
@@ -122,6 +129,7 @@ def test_kernel_gets_the_storage_arrays_themselves(monkeypatch):
         def call(**kw):
             inputs.extend(kw["inputs"])
             return k(**kw)
+
         return call
 
     monkeypatch.setattr(kernels, "_kernel", spy_kernel)
@@ -137,4 +145,6 @@ def test_kernel_gets_the_storage_arrays_themselves(monkeypatch):
     want = attention.attend(q, c.step_view(), D**-0.5)
     assert c.tiles.capacity > c.n_tiles
     assert all(any(x is a for x in inputs) for a in c.tiles.arrays())
-    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5 * np.abs(np.array(want)).max())
+    np.testing.assert_allclose(
+        np.array(got), np.array(want), atol=2e-5 * np.abs(np.array(want)).max()
+    )
