@@ -81,7 +81,9 @@ class Layer:
     window: int = 0
     keep: int = 0
     state_bytes: int = 0
-    top_level: bool = True  # not inside a CacheList (mlx-lm's --kv-bits quantizes only top-level caches)
+    top_level: bool = (
+        True  # not inside a CacheList (mlx-lm's --kv-bits quantizes only top-level caches)
+    )
     cls: str = ""
 
 
@@ -104,8 +106,14 @@ def model_layers(model):
         name = type(c).__name__
         if type(c) in (KVCache, RotatingKVCache):
             _, H, _, Dk = c.keys.shape
-            kv = dict(heads=H, k_dim=Dk, v_dim=c.values.shape[-1], dtype=str(c.keys.dtype).split(".")[-1],
-                      top_level=top, cls=name)
+            kv = dict(
+                heads=H,
+                k_dim=Dk,
+                v_dim=c.values.shape[-1],
+                dtype=str(c.keys.dtype).split(".")[-1],
+                top_level=top,
+                cls=name,
+            )
             if type(c) is KVCache:
                 layers.append(Layer("kv", **kv))
             else:
@@ -113,8 +121,10 @@ def model_layers(model):
         elif isinstance(c, ArraysCache):
             layers.append(Layer("state", state_bytes=c.nbytes, top_level=top, cls=name))
         else:
-            raise PlanError(f"the planner does not know how a {name} layer grows (it knows KVCache, RotatingKVCache "
-                            "and fixed-size recurrent caches)")
+            raise PlanError(
+                f"the planner does not know how a {name} layer grows (it knows KVCache, RotatingKVCache "
+                "and fixed-size recurrent caches)"
+            )
     return layers
 
 
@@ -156,7 +166,9 @@ class Window:
     def peak(self, n):
         if n == 0:
             return 0
-        return self.token_bytes * max(min(n + self.step - 1, self.window), min(n, self.window - 1 + self.prefill))
+        return self.token_bytes * max(
+            min(n + self.step - 1, self.window), min(n, self.window - 1 + self.prefill)
+        )
 
 
 @dataclass(frozen=True)
@@ -178,8 +190,11 @@ class SinkTilesTail:
         s = min(n, self.sink)
         tiles, tail = divmod(n - s, self.group)
         capacity = tiles + self.step_tiles - 1 if tiles else 0
-        return s * self.sink_token_bytes + capacity * self.tile_bytes + self.tail_step_bytes * (
-            _round_up(tail, self.tail_step) // self.tail_step)
+        return (
+            s * self.sink_token_bytes
+            + capacity * self.tile_bytes
+            + self.tail_step_bytes * (_round_up(tail, self.tail_step) // self.tail_step)
+        )
 
     def peak(self, n):
         """The most held at any count up to n: the tail empties into a tile at every
@@ -204,8 +219,10 @@ def _feed(cache, layer, n):
     """Append n tokens of zero keys/values of the layer's shape (lazy: nothing is
     computed) and return the bytes the cache holds."""
     dt = DTYPES[layer.dtype]
-    cache.update_and_fetch(mx.zeros((1, layer.heads, n, layer.k_dim), dt),
-                           mx.zeros((1, layer.heads, n, layer.v_dim), dt))
+    cache.update_and_fetch(
+        mx.zeros((1, layer.heads, n, layer.k_dim), dt),
+        mx.zeros((1, layer.heads, n, layer.v_dim), dt),
+    )
     return cache.nbytes
 
 
@@ -240,8 +257,15 @@ def sink_tiles_tail_of(config, layer):
     one_step = held(S + step * G)  # sink + step_tiles tiles, no room, empty tail
     two_steps = held(S + step * G, step * G)
     tail = held(S + step * G + 1) - one_step  # one tail step of room
-    return SinkTilesTail(sink // S if S else 0, (two_steps - one_step) // step, tail, S, G, step,
-                         KVarNCache.tail_step)
+    return SinkTilesTail(
+        sink // S if S else 0,
+        (two_steps - one_step) // step,
+        tail,
+        S,
+        G,
+        step,
+        KVarNCache.tail_step,
+    )
 
 
 def byte_model(layer, kind, prefill):
@@ -249,15 +273,19 @@ def byte_model(layer, kind, prefill):
     QuantizedKVCache at that many bits (an int), or a KVarNConfig."""
     if isinstance(kind, int):
         if layer.k_dim % MLX_KV_GROUP_SIZE or layer.v_dim % MLX_KV_GROUP_SIZE:
-            raise ValueError(f"head dims {layer.k_dim}/{layer.v_dim} are not multiples of mlx-lm's "
-                             f"KV group size {MLX_KV_GROUP_SIZE}")
+            raise ValueError(
+                f"head dims {layer.k_dim}/{layer.v_dim} are not multiples of mlx-lm's "
+                f"KV group size {MLX_KV_GROUP_SIZE}"
+            )
         return steps_of(lambda: QuantizedKVCache(MLX_KV_GROUP_SIZE, kind), layer)
     if kind != "plain":
         try:
             return sink_tiles_tail_of(kind, layer)
         except ValueError as e:
-            raise ValueError(f"KVarNCache raises for {layer.heads} kv heads x head dims {layer.k_dim}/"
-                             f"{layer.v_dim}: {e}") from e
+            raise ValueError(
+                f"KVarNCache raises for {layer.heads} kv heads x head dims {layer.k_dim}/"
+                f"{layer.v_dim}: {e}"
+            ) from e
     if layer.kind == "kv":
         return steps_of(KVCache, layer)
     if layer.kind == "window":

@@ -61,7 +61,10 @@ def observe(fn):
 def _swap(old, new):
     base.scaled_dot_product_attention = new
     for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.") and getattr(module, "scaled_dot_product_attention", None) is old:
+        if (
+            name.startswith("mlx_lm.")
+            and getattr(module, "scaled_dot_product_attention", None) is old
+        ):
             module.scaled_dot_product_attention = new
 
 
@@ -111,13 +114,23 @@ def kv_shapes(model):
         return None
     finally:
         _observers[:] = observers
-    return {(i, j): (m.keys.shape[1], m.keys.shape[-1], m.values.shape[-1], m.keys.dtype)
-            for i, c in enumerate(probe) for j, m in enumerate(_members(c))
-            if type(m) is KVCache and m.keys is not None}
+    return {
+        (i, j): (m.keys.shape[1], m.keys.shape[-1], m.values.shape[-1], m.keys.dtype)
+        for i, c in enumerate(probe)
+        for j, m in enumerate(_members(c))
+        if type(m) is KVCache and m.keys is not None
+    }
 
 
-def make_cache(model, preset=DEFAULT_PRESET, fp16_layers=(), profile=None, bytes_like=None, max_kl=None,
-               **overrides):
+def make_cache(
+    model,
+    preset=DEFAULT_PRESET,
+    fp16_layers=(),
+    profile=None,
+    bytes_like=None,
+    max_kl=None,
+    **overrides,
+):
     """The model's prompt cache with plain KVCache layers replaced by KVarNCache.
 
     preset: a preset name, a KVarNConfig, "fp16" (plain cache), or a list with
@@ -135,18 +148,26 @@ def make_cache(model, preset=DEFAULT_PRESET, fp16_layers=(), profile=None, bytes
     """
     if profile is not None:
         if fp16_layers:
-            raise ValueError("fp16_layers and a profile do not combine: the profile chooses every layer's widths")
+            raise ValueError(
+                "fp16_layers and a profile do not combine: the profile chooses every layer's widths"
+            )
         preset = profile_mix(model, profile, bytes_like, max_kl)[1]
     elif bytes_like is not None or max_kl is not None:
-        raise ValueError("bytes_like and max_kl choose widths from a calibration profile: pass profile= too")
+        raise ValueError(
+            "bytes_like and max_kl choose widths from a calibration profile: pass profile= too"
+        )
     caches = mlx_cache.make_prompt_cache(model)
     per_layer = list(preset) if isinstance(preset, (list, tuple)) else [preset] * len(caches)
     if len(per_layer) != len(caches):
-        raise ValueError(f"got {len(per_layer)} per-layer presets for a model with {len(caches)} cache layers")
+        raise ValueError(
+            f"got {len(per_layer)} per-layer presets for a model with {len(caches)} cache layers"
+        )
     for i in fp16_layers:
         if not -len(caches) <= i < len(caches):
-            raise ValueError(f"fp16 layer {i} does not exist: the model has {len(caches)} layers "
-                             f"(0..{len(caches) - 1}, or -1..-{len(caches)} from the end)")
+            raise ValueError(
+                f"fp16 layer {i} does not exist: the model has {len(caches)} layers "
+                f"(0..{len(caches) - 1}, or -1..-{len(caches)} from the end)"
+            )
         per_layer[i] = None
     dims = kv_shapes(model) or {}
     skipped, left_plain, n_kv = set(), {}, 0
@@ -171,12 +192,13 @@ def make_cache(model, preset=DEFAULT_PRESET, fp16_layers=(), profile=None, bytes
         else:
             caches[i] = members[0]
     if skipped:
-        _warn_once(f"KVarN left {', '.join(sorted(skipped))} layers as they were (only plain KVCache layers are quantized)")
+        _warn_once(
+            f"KVarN left {', '.join(sorted(skipped))} layers as they were (only plain KVCache layers are quantized)"
+        )
     for problem, n in left_plain.items():
         _warn_once(f"KVarN left {n} of {n_kv} KVCache layers plain: {problem}")
     patch()
     return caches
-
 
 
 def quantizable_layers(model):
@@ -185,7 +207,11 @@ def quantizable_layers(model):
     {layer: (kv heads, key dim, value dim, dtype)} of each."""
     shapes = {i: d for (i, j), d in (kv_shapes(model) or {}).items() if j == 0}
     caches = mlx_cache.make_prompt_cache(model)
-    layers = [i for i, c in enumerate(caches) if type(c) is KVCache and i in shapes and shapes[i][1] == shapes[i][2]]
+    layers = [
+        i
+        for i, c in enumerate(caches)
+        if type(c) is KVCache and i in shapes and shapes[i][1] == shapes[i][2]
+    ]
     return layers, shapes
 
 
@@ -204,8 +230,9 @@ def profile_mix(model, profile, bytes_like=None, max_kl=None):
     try:
         st = path.stat()
     except OSError:
-        raise profiles.ProfileError(f"no profile file at {path}; make one with python -m kvarn_mlx.calibrate "
-                                    f"--out {path}") from None
+        raise profiles.ProfileError(
+            f"no profile file at {path}; make one with python -m kvarn_mlx.calibrate --out {path}"
+        ) from None
     key = (id(model), str(path.resolve()), st.st_mtime_ns, st.st_size, bytes_like, max_kl)
     hit = _mixes.get(key)
     if hit is not None and hit[0]() is model:

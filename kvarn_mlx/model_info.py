@@ -29,16 +29,25 @@ def read_folder(path, name=None):
     bytes are counted from the model's parameters."""
     path = Path(path).expanduser()
     if not (path / "config.json").is_file():
-        raise PlanError(f"{path} has no config.json; pass a model folder, a Hugging Face repo id, or omit --model")
+        raise PlanError(
+            f"{path} has no config.json; pass a model folder, a Hugging Face repo id, or omit --model"
+        )
     try:
         config = json.loads((path / "config.json").read_text())
     except ValueError as e:
         raise PlanError(f"{path / 'config.json'} is not valid JSON: {e}") from e
     files = _weight_files([p.name for p in path.iterdir()])
     if not files:
-        return ModelInfo(name or str(path), config, None, "counted from the model's parameters: no .safetensors files")
+        return ModelInfo(
+            name or str(path),
+            config,
+            None,
+            "counted from the model's parameters: no .safetensors files",
+        )
     size = sum((path / f).stat().st_size for f in files)
-    return ModelInfo(name or str(path), config, size, f"{len(files)} .safetensors file(s) in {path}")
+    return ModelInfo(
+        name or str(path), config, size, f"{len(files)} .safetensors file(s) in {path}"
+    )
 
 
 def read_hub(repo):
@@ -51,11 +60,17 @@ def read_hub(repo):
         config = json.loads(Path(hf_hub_download(repo, "config.json")).read_text())
         info = HfApi().model_info(repo, files_metadata=True)
     except GatedRepoError as e:
-        raise PlanError(f"{repo} is gated on the Hugging Face Hub: accept its terms on the website and log in "
-                        "with `hf auth login`") from e
+        raise PlanError(
+            f"{repo} is gated on the Hugging Face Hub: accept its terms on the website and log in "
+            "with `hf auth login`"
+        ) from e
     except RepositoryNotFoundError as e:
-        raise PlanError(f"no model {repo} on the Hugging Face Hub and no local folder {repo}") from e
-    except Exception as e:  # offline mode, DNS, connection and HTTP errors of any hub client version
+        raise PlanError(
+            f"no model {repo} on the Hugging Face Hub and no local folder {repo}"
+        ) from e
+    except (
+        Exception
+    ) as e:  # offline mode, DNS, connection and HTTP errors of any hub client version
         cached = try_to_load_from_cache(repo, "config.json")
         if isinstance(cached, str):
             try:
@@ -66,13 +81,18 @@ def read_hub(repo):
             f"could not read {repo}'s config.json and file sizes from the Hugging Face Hub (no network?) "
             f"[{type(e).__name__}: {e}], and no downloaded copy is cached. Pass a local model folder that has "
             "config.json, or omit --model to plan for the embedded default model (HF_HUB_OFFLINE=1 skips the "
-            "Hub's retries)") from e
+            "Hub's retries)"
+        ) from e
     sizes = {s.rfilename: s.size for s in info.siblings}
     files = _weight_files(list(sizes))
     if not files or any(sizes[f] is None for f in files):
-        raise PlanError(f"{repo} lists no .safetensors weights with sizes on the Hugging Face Hub (mlx-lm loads only "
-                        ".safetensors)")
-    return ModelInfo(repo, config, sum(sizes[f] for f in files), f"{len(files)} .safetensors file(s) on the Hub")
+        raise PlanError(
+            f"{repo} lists no .safetensors weights with sizes on the Hugging Face Hub (mlx-lm loads only "
+            ".safetensors)"
+        )
+    return ModelInfo(
+        repo, config, sum(sizes[f] for f in files), f"{len(files)} .safetensors file(s) on the Hub"
+    )
 
 
 def read_model(model=None):
@@ -93,8 +113,10 @@ def read_model(model=None):
     if path is not None:
         return read_folder(path, path.name)
     if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model):
-        raise PlanError(f"no such model folder: {model}. Pass a folder with config.json, a Hugging Face repo id "
-                        "(owner/name), or omit --model for the embedded default model")
+        raise PlanError(
+            f"no such model folder: {model}. Pass a folder with config.json, a Hugging Face repo id "
+            "(owner/name), or omit --model for the embedded default model"
+        )
     return read_hub(model)
 
 
@@ -116,7 +138,9 @@ def lazy_model(config, dtype):
         model_cls, args_cls = model_classes(config)
         model = model_cls(args_cls.from_dict(config))
     except Exception as e:
-        raise PlanError(f"mlx-lm cannot build model type {config.get('model_type')!r} from this config.json: {e}") from e
+        raise PlanError(
+            f"mlx-lm cannot build model type {config.get('model_type')!r} from this config.json: {e}"
+        ) from e
     model.set_dtype(DTYPES[dtype])
     return model
 
@@ -128,7 +152,9 @@ def parameter_bytes(model, config):
 
     q = config.get("quantization")
     if isinstance(q, dict) and "bits" in q:
-        nn.quantize(model, group_size=q.get("group_size", 64), bits=q["bits"], mode=q.get("mode", "affine"))
+        nn.quantize(
+            model, group_size=q.get("group_size", 64), bits=q["bits"], mode=q.get("mode", "affine")
+        )
     params = tree_flatten(model.parameters())
     if config.get("tie_word_embeddings", True):
         # Some classes keep an lm_head until load() sees no lm_head weights (a tied head).

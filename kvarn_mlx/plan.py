@@ -52,8 +52,10 @@ def machine_budget():
     if mx.metal.is_available():
         info = mx.device_info()
         limit, ram = info["max_recommended_working_set_size"], info["memory_size"]
-        return limit, (f"this Mac's GPU working-set limit ({limit / ram:.0%} of {human(ram)} unified memory; "
-                       "macOS lets the GPU wire about 2/3-3/4 of it by default)")
+        return limit, (
+            f"this Mac's GPU working-set limit ({limit / ram:.0%} of {human(ram)} unified memory; "
+            "macOS lets the GPU wire about 2/3-3/4 of it by default)"
+        )
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return ram, "this machine's RAM"
 
@@ -76,7 +78,10 @@ def _quiet_make_cache(model, preset):
 def kvarn_kinds(model, preset):
     """Per cache layer (in model_layers' order): the preset's KVarNConfig where
     make_cache puts a KVarNCache, "plain" where it leaves the layer as it is."""
-    return [c.config if isinstance(c, KVarNCache) else "plain" for c, _ in flat_caches(_quiet_make_cache(model, preset))]
+    return [
+        c.config if isinstance(c, KVarNCache) else "plain"
+        for c, _ in flat_caches(_quiet_make_cache(model, preset))
+    ]
 
 
 def run_fails(model, caches, then=None):
@@ -156,22 +161,43 @@ def cache_plans(config, dtype, prefill=PREFILL_STEP_SIZE, model=None):
     plans = [_cache_plan(f"plain ({dtype})", "mlx-lm KVCache", layers, plain, prefill)]
     if DTYPES[dtype].size != 2:
         fp16 = model_layers(lazy_model(config, "float16"))
-        plans.append(_cache_plan("plain (float16)", "mlx-lm KVCache in float16", fp16, plain, prefill))
+        plans.append(
+            _cache_plan("plain (float16)", "mlx-lm KVCache in float16", fp16, plain, prefill)
+        )
 
     warning = None
     if any(l.kind == "window" and l.top_level for l in layers) and not _mlx_quantizes_windows():
-        warning = ("mlx-lm cannot quantize RotatingKVCache (sliding-window) layers: they are counted plain here, "
-                   "but mlx_lm.generate --kv-bits stops with NotImplementedError once they reach quantized_kv_start")
+        warning = (
+            "mlx-lm cannot quantize RotatingKVCache (sliding-window) layers: they are counted plain here, "
+            "but mlx_lm.generate --kv-bits stops with NotImplementedError once they reach quantized_kv_start"
+        )
     for bits in MLX_KV_BITS:
         fails = run_fails(model, make_prompt_cache(model), lambda c: quantize_like_mlx_lm(c, bits))
         kinds = [bits if l.kind == "kv" and l.top_level else "plain" for l in layers]
-        plans.append(_cache_plan(f"mlx-lm {bits}-bit", f"QuantizedKVCache, group {MLX_KV_GROUP_SIZE}", layers, kinds,
-                                 prefill, warning, fails and f"the model raises with mlx-lm's QuantizedKVCache ({fails})"))
+        plans.append(
+            _cache_plan(
+                f"mlx-lm {bits}-bit",
+                f"QuantizedKVCache, group {MLX_KV_GROUP_SIZE}",
+                layers,
+                kinds,
+                prefill,
+                warning,
+                fails and f"the model raises with mlx-lm's QuantizedKVCache ({fails})",
+            )
+        )
 
     for p in PRESETS:
         fails = run_fails(model, _quiet_make_cache(model, p))
-        plans.append(_cache_plan(p, "KVarNCache where make_cache puts one", layers, kvarn_kinds(model, p), prefill,
-                                 error=fails and f"the model raises with this KVarN cache ({fails})"))
+        plans.append(
+            _cache_plan(
+                p,
+                "KVarNCache where make_cache puts one",
+                layers,
+                kvarn_kinds(model, p),
+                prefill,
+                error=fails and f"the model raises with this KVarN cache ({fails})",
+            )
+        )
     return plans
 
 
@@ -184,14 +210,21 @@ def describe_layers(layers):
         if l.kind == "state":
             key = f"{l.cls} (fixed state)"
         else:
-            shape = (f"{l.heads} kv head{'s' if l.heads > 1 else ''} x head dim {l.k_dim}"
-                     + (f"/{l.v_dim}" if l.v_dim != l.k_dim else ""))
-            key = (f"full attention, {shape}" if l.kind == "kv" else f"sliding window {l.window}, {shape}")
+            shape = f"{l.heads} kv head{'s' if l.heads > 1 else ''} x head dim {l.k_dim}" + (
+                f"/{l.v_dim}" if l.v_dim != l.k_dim else ""
+            )
+            key = (
+                f"full attention, {shape}"
+                if l.kind == "kv"
+                else f"sliding window {l.window}, {shape}"
+            )
         counts[key] = counts.get(key, 0) + 1
     return f"{len(layers)} cache layers: " + "; ".join(f"{n} {k}" for k, n in counts.items())
 
 
-def plan(info, budget, budget_source, overhead, context=None, dtype=None, prefill=PREFILL_STEP_SIZE):
+def plan(
+    info, budget, budget_source, overhead, context=None, dtype=None, prefill=PREFILL_STEP_SIZE
+):
     """Everything the CLI prints, as a dict (the --json output)."""
     dtype = dtype or config_dtype(info.config)
     dtype_note = None
@@ -206,20 +239,35 @@ def plan(info, budget, budget_source, overhead, context=None, dtype=None, prefil
     available = budget - weights - overhead
     cfg = {**(info.config.get("text_config") or {}), **info.config}
     out = {
-        "model": info.name, "model_type": info.config.get("model_type"), "dtype": dtype, "dtype_note": dtype_note,
-        "layers": describe_layers(layers), "max_position_embeddings": cfg.get("max_position_embeddings"),
-        "weights_bytes": weights, "weights_source": info.weights_source,
-        "budget_bytes": budget, "budget_source": budget_source, "overhead_bytes": overhead,
-        "kv_budget_bytes": available, "prefill_step_size": prefill, "context": context, "caches": [],
+        "model": info.name,
+        "model_type": info.config.get("model_type"),
+        "dtype": dtype,
+        "dtype_note": dtype_note,
+        "layers": describe_layers(layers),
+        "max_position_embeddings": cfg.get("max_position_embeddings"),
+        "weights_bytes": weights,
+        "weights_source": info.weights_source,
+        "budget_bytes": budget,
+        "budget_source": budget_source,
+        "overhead_bytes": overhead,
+        "kv_budget_bytes": available,
+        "prefill_step_size": prefill,
+        "context": context,
+        "caches": [],
     }
     for c in plans:
         row = {"cache": c.name, "note": c.note, "warning": c.warning}
         if c.error:
             out["caches"].append({**row, "error": c.error})
             continue
-        row.update(bytes_per_token=c.per_token, longest_context=longest_context(c.peak, c.per_token, available))
+        row.update(
+            bytes_per_token=c.per_token,
+            longest_context=longest_context(c.peak, c.per_token, available),
+        )
         if context is not None:
-            row.update(kv_bytes_at_context=c.peak(context), fits_context=c.peak(context) <= available)
+            row.update(
+                kv_bytes_at_context=c.peak(context), fits_context=c.peak(context) <= available
+            )
         out["caches"].append(row)
     return out
 
@@ -235,11 +283,15 @@ def format_plan(p):
         "activations and the runtime (--overhead)",
     ]
     if p["kv_budget_bytes"] <= 0:
-        lines.append("note       the weights and the allowance alone exceed the budget: no context fits")
+        lines.append(
+            "note       the weights and the allowance alone exceed the budget: no context fits"
+        )
     if p["dtype_note"]:
         lines.append(f"note       {p['dtype_note']}")
     if p["max_position_embeddings"]:
-        lines.append(f"context    the model takes up to {p['max_position_embeddings']:,} tokens (max_position_embeddings)")
+        lines.append(
+            f"context    the model takes up to {p['max_position_embeddings']:,} tokens (max_position_embeddings)"
+        )
     lines.append("")
     head = f"{'cache':<18} {'KV bytes/token':>14} {'longest context':>16}"
     if ctx is not None:
@@ -253,15 +305,19 @@ def format_plan(p):
         n = r["longest_context"]
         line = f"{r['cache']:<18} {human(r['bytes_per_token']):>14} {'no limit' if n is None else f'{n:,}':>16}"
         if ctx is not None:
-            line += f" {human(r['kv_bytes_at_context']):>16} {'yes' if r['fits_context'] else 'no':>5}"
+            line += (
+                f" {human(r['kv_bytes_at_context']):>16} {'yes' if r['fits_context'] else 'no':>5}"
+            )
         lines.append(line)
         if r["warning"] and r["warning"] not in warnings:
             warnings.append(r["warning"])
-    legend = ("KV bytes/token: what each further token adds (sliding-window and recurrent layers add nothing). "
-              "Longest context: the most every cache layer can hold up to that many tokens, sink, tail buffer "
-              f"and preallocated room included, with prompts prefilled in chunks of {p['prefill_step_size']:,} "
-              "tokens at most. The allowance does not grow with the context: transient buffers of a long "
-              "prefill that do (a chunk's attention scores where attention is not fused) are not in it.")
+    legend = (
+        "KV bytes/token: what each further token adds (sliding-window and recurrent layers add nothing). "
+        "Longest context: the most every cache layer can hold up to that many tokens, sink, tail buffer "
+        f"and preallocated room included, with prompts prefilled in chunks of {p['prefill_step_size']:,} "
+        "tokens at most. The allowance does not grow with the context: transient buffers of a long "
+        "prefill that do (a chunk's attention scores where attention is not fused) are not in it."
+    )
     lines += ["", *textwrap.wrap(legend, 100)]
     for w in warnings:
         lines += textwrap.wrap(f"note: {w}", 100, subsequent_indent="      ")
@@ -269,22 +325,43 @@ def format_plan(p):
 
 
 def setup_arg_parser():
-    p = argparse.ArgumentParser(prog="python -m kvarn_mlx.plan",
-                                description="How much context fits in memory, for the plain, mlx-lm quantized and "
-                                            "KVarN KV caches.")
-    p.add_argument("--model", default=None,
-                   help="Local model folder (with config.json) or Hugging Face repo id; reads only config.json "
-                        "and the weight files' sizes (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--memory", default=None,
-                   help="Memory budget, e.g. 24GB (powers of 1024). Default: on a Mac the GPU's working-set limit, "
-                        "elsewhere the machine's RAM")
-    p.add_argument("--overhead", default=DEFAULT_OVERHEAD,
-                   help=f"Allowance for activations, the runtime and transient buffers (default {DEFAULT_OVERHEAD})")
-    p.add_argument("--context", type=int, default=None, help="Also say which caches fit this many tokens")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help="The dtype the model runs in (default: config.json's)")
-    p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE,
-                   help="Prompt tokens per prefill step, as in generate (sliding-window layers hold one chunk more)")
+    p = argparse.ArgumentParser(
+        prog="python -m kvarn_mlx.plan",
+        description="How much context fits in memory, for the plain, mlx-lm quantized and "
+        "KVarN KV caches.",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Local model folder (with config.json) or Hugging Face repo id; reads only config.json "
+        "and the weight files' sizes (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="Memory budget, e.g. 24GB (powers of 1024). Default: on a Mac the GPU's working-set limit, "
+        "elsewhere the machine's RAM",
+    )
+    p.add_argument(
+        "--overhead",
+        default=DEFAULT_OVERHEAD,
+        help=f"Allowance for activations, the runtime and transient buffers (default {DEFAULT_OVERHEAD})",
+    )
+    p.add_argument(
+        "--context", type=int, default=None, help="Also say which caches fit this many tokens"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default=None,
+        help="The dtype the model runs in (default: config.json's)",
+    )
+    p.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=PREFILL_STEP_SIZE,
+        help="Prompt tokens per prefill step, as in generate (sliding-window layers hold one chunk more)",
+    )
     p.add_argument("--json", action="store_true", help="Print the plan as JSON")
     return p
 

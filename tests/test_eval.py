@@ -49,7 +49,9 @@ def kv(L=300, D=64, seed=0):
 def all_tokens(cache, k, v):
     """Every token of k, v [1, H, L, D] as the cache holds them (all whole tiles quantized), numpy."""
     cache.update_and_fetch(mx.array(k), mx.array(v))
-    kh, vh = cache.update_and_fetch(mx.array(k[..., :0, :]), mx.array(v[..., :0, :]))  # a 0-token step sees every tile
+    kh, vh = cache.update_and_fetch(
+        mx.array(k[..., :0, :]), mx.array(v[..., :0, :])
+    )  # a 0-token step sees every tile
     return np.array(kh), np.array(vh)
 
 
@@ -70,12 +72,20 @@ def test_quantized_methods_differ_and_report_bytes(model):
     # 2 layers, 2 kv heads, head dim 64, K and V, 2 bytes each.
     assert all(r["fp16_bytes"] == 2 * 2 * 2 * 512 * 64 * 2 for r in res["rows"])
     # kivi2: 2-bit codes, float16 scales a, b per channel (K) / per token (V) and t / c of 128-token tiles.
-    assert rows["kivi2"]["bits_per_quantized_element"] == 2 + 8 * 2 * (3 * 64 + 3 * 128) / (2 * 128 * 64)
+    assert rows["kivi2"]["bits_per_quantized_element"] == 2 + 8 * 2 * (3 * 64 + 3 * 128) / (
+        2 * 128 * 64
+    )
 
 
 def test_method_names():
-    assert [method_bits(m) for m in ("fp", "kvarn2", "k4v2_g128", "konly4", "vonly2", "mlxq4")] == \
-        ["16/16", "2/2", "4/2", "4/fp", "fp/2", "4/4"]
+    assert [method_bits(m) for m in ("fp", "kvarn2", "k4v2_g128", "konly4", "vonly2", "mlxq4")] == [
+        "16/16",
+        "2/2",
+        "4/2",
+        "4/fp",
+        "fp/2",
+        "4/4",
+    ]
     cls, cfg = method_cache("kivi2")
     assert cls is KVarNCache and cfg.iters == 0 and not cfg.rotate_keys and not cfg.rotate_values
     assert method_cache("rot4")[1].iters == 0 and method_cache("rot4")[1].rotate_keys
@@ -87,14 +97,32 @@ def test_method_names():
 
 def test_method_variants():
     # Any width pair by name, FP8 scales, layers kept plain.
-    assert method_bits("k5v3_g128") == "5/3" and method_cache("k5v3_g64_auto")[1].rotate_keys == "auto"
+    assert (
+        method_bits("k5v3_g128") == "5/3" and method_cache("k5v3_g64_auto")[1].rotate_keys == "auto"
+    )
     cls, cfg = method_cache("auto4v2+fp8")
-    assert cls is KVarNCache and cfg.scale_dtype == "fp8" and cfg.rotate_keys == "auto" and cfg.k_bits == 4
-    assert method_cache("kivi2+fp8")[1].iters == 0 and method_cache("kivi2+fp8")[1].scale_dtype == "fp8"
+    assert (
+        cls is KVarNCache
+        and cfg.scale_dtype == "fp8"
+        and cfg.rotate_keys == "auto"
+        and cfg.k_bits == 4
+    )
+    assert (
+        method_cache("kivi2+fp8")[1].iters == 0
+        and method_cache("kivi2+fp8")[1].scale_dtype == "fp8"
+    )
     assert method_cache("k4v2_g128+fp16:0:-1")[1] == method_cache("k4v2_g128")[1]
-    assert [type(c) for c in make_caches(tiny_model("llama64"), "k4v2_g128+fp16:-1")] == [KVarNCache, KVCache]
+    assert [type(c) for c in make_caches(tiny_model("llama64"), "k4v2_g128+fp16:-1")] == [
+        KVarNCache,
+        KVCache,
+    ]
     g = make_caches(tiny_model("gemma3"), "k4v4_g128+fp8+fp16:1")  # layers 0 and 2 slide
-    assert [type(c).__name__ for c in g] == ["RotatingKVCache", "KVCache", "RotatingKVCache", "KVarNCache"]
+    assert [type(c).__name__ for c in g] == [
+        "RotatingKVCache",
+        "KVCache",
+        "RotatingKVCache",
+        "KVarNCache",
+    ]
     assert g[3].config.scale_dtype == "fp8"
     for bad in ("k4v2_g128+fp4", "mlxq4+fp8", "fp+fp16:0", "k8v8_g128+fp8", "k4v2_g128+fp16"):
         with pytest.raises(ValueError):
@@ -105,11 +133,18 @@ def test_method_variants():
 
 def test_growing_bytes_leave_out_sliding_layers():
     g = tiny_model("gemma3")  # window 32: 2 sliding layers, 2 global
-    rows = {r["method"]: r for r in fidelity(g, Bytes(), ["k4v4_g128", "k4v4_g128+fp16:1"], [384], chunk=128)["rows"]}
+    rows = {
+        r["method"]: r
+        for r in fidelity(g, Bytes(), ["k4v4_g128", "k4v4_g128+fp16:1"], [384], chunk=128)["rows"]
+    }
     fp, q, half = rows["fp"], rows["k4v4_g128"], rows["k4v4_g128+fp16:1"]
-    assert fp["growing_bytes"] == 2 * 384 * 256 * 2 * 4  # 2 global layers, 1 kv head, K and V, float32
+    assert (
+        fp["growing_bytes"] == 2 * 384 * 256 * 2 * 4
+    )  # 2 global layers, 1 kv head, K and V, float32
     assert 0 < q["growing_bytes"] < half["growing_bytes"] < fp["growing_bytes"]
-    assert fp["bytes"] - fp["growing_bytes"] == q["bytes"] - q["growing_bytes"] > 0  # the same sliding windows
+    assert (
+        fp["bytes"] - fp["growing_bytes"] == q["bytes"] - q["growing_bytes"] > 0
+    )  # the same sliding windows
     assert 0 < half["kl_mean"] < q["kl_mean"]
 
 
@@ -124,8 +159,12 @@ def test_kivi_tile_matches_numpy():
     kh, vh = all_tokens(KVarNCache(replace(method_cache("kivi2")[1], scale_dtype="float32")), k, v)
     np.testing.assert_array_equal(kh[..., :128, :], k[..., :128, :])  # sink untouched
     # KIVI: keys per channel over the tile's tokens, values per token over channels.
-    np.testing.assert_allclose(kh[..., 128:, :], _rtn(k[..., 128:, :], 2, axis=2), atol=2e-5, rtol=1e-5)
-    np.testing.assert_allclose(vh[..., 128:, :], _rtn(v[..., 128:, :], 2, axis=3), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        kh[..., 128:, :], _rtn(k[..., 128:, :], 2, axis=2), atol=2e-5, rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        vh[..., 128:, :], _rtn(v[..., 128:, :], 2, axis=3), atol=2e-5, rtol=1e-5
+    )
 
 
 def test_oracle_keys_match_numpy():
@@ -170,13 +209,18 @@ def test_packed_and_dequant_attention_agree(name):
     k, v = kv(300)
     q = np.random.default_rng(1).normal(size=(1, 6, 44, 64)).astype(np.float32)
     integration.patch()
-    packed_cache, plain_cache = make_caches(_OneLayer(), name)[0], Dequantized(make_caches(_OneLayer(), name)[0])
+    packed_cache, plain_cache = (
+        make_caches(_OneLayer(), name)[0],
+        Dequantized(make_caches(_OneLayer(), name)[0]),
+    )
     outs = []
     for c in (packed_cache, plain_cache):
         c.update_and_fetch(mx.array(k[..., :256, :]), mx.array(v[..., :256, :]))
         kk, vv = c.update_and_fetch(mx.array(k[..., 256:, :]), mx.array(v[..., 256:, :]))
         # A fresh query array per call: mlx-lm's quantized attention scales its queries in place.
-        outs.append(integration.scaled_dot_product_attention(mx.array(q), kk, vv, c, 0.125, "causal"))
+        outs.append(
+            integration.scaled_dot_product_attention(mx.array(q), kk, vv, c, 0.125, "causal")
+        )
     np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), atol=2e-4, rtol=2e-4)
 
 
@@ -184,32 +228,83 @@ def test_auto_presets_attend_packed_in_either_mode(model):
     # Their key-rotation choice reads the step's queries, which only the packed path hands the
     # cache: "dequant" mode leaves them unwrapped (the keys standing in chose otherwise on Gemma).
     from kvarn_mlx.eval.runner import for_model
+
     for name in ("auto2", "auto4v2", "k2v2_g128"):
         cache = make_caches(model, name)
         wrapped = [isinstance(c, Dequantized) for c in for_model(cache, "dequant")]
         assert wrapped == [not name.startswith("auto")] * len(cache), name
-    a, b = (fidelity(model, Bytes(), ["auto2"], [384], chunk=128, attention_mode=m)["rows"] for m in ("dequant", "packed"))
+    a, b = (
+        fidelity(model, Bytes(), ["auto2"], [384], chunk=128, attention_mode=m)["rows"]
+        for m in ("dequant", "packed")
+    )
     assert [r["kl_mean"] for r in a] == [r["kl_mean"] for r in b]
 
 
 def test_attention_modes_give_the_same_numbers(model):
     methods = ["kvarn2", "affine2", "mlxq4"]
-    a, b = (fidelity(model, Bytes(), methods, [384], chunk=128, attention_mode=m)["rows"] for m in ("dequant", "packed"))
+    a, b = (
+        fidelity(model, Bytes(), methods, [384], chunk=128, attention_mode=m)["rows"]
+        for m in ("dequant", "packed")
+    )
     for x, y in zip(a, b):
         assert x["method"] == y["method"] and x["bytes"] == y["bytes"]
         assert x["kl_mean"] == pytest.approx(y["kl_mean"], rel=1e-3, abs=1e-7)
 
 
-@pytest.mark.parametrize("argv", [
-    ["fidelity", "--contexts", "256,384", "--methods", "kivi2,oracle2,affine2,mlxq2,vonly2,k4v2_g128", "--chunk", "128"],
-    ["fidelity", "--contexts", "384", "--methods", "k3v2_g128+fp8,k6v5_g128+fp16:0", "--chunk", "128"],
-    ["accumulation", "--context", "512", "--methods", "kivi2,rot2,kvarn2,mlxq2"],
-    ["--attention", "packed", "accumulation", "--context", "384", "--methods", "auto2,konly2,mlxq2"],
-    ["decode", "--prompt-len", "160", "--steps", "24", "--methods", "kivi2,kvarn2", "--text", "topics", "--prompts", "2"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [
+            "fidelity",
+            "--contexts",
+            "256,384",
+            "--methods",
+            "kivi2,oracle2,affine2,mlxq2,vonly2,k4v2_g128",
+            "--chunk",
+            "128",
+        ],
+        [
+            "fidelity",
+            "--contexts",
+            "384",
+            "--methods",
+            "k3v2_g128+fp8,k6v5_g128+fp16:0",
+            "--chunk",
+            "128",
+        ],
+        ["accumulation", "--context", "512", "--methods", "kivi2,rot2,kvarn2,mlxq2"],
+        [
+            "--attention",
+            "packed",
+            "accumulation",
+            "--context",
+            "384",
+            "--methods",
+            "auto2,konly2,mlxq2",
+        ],
+        [
+            "decode",
+            "--prompt-len",
+            "160",
+            "--steps",
+            "24",
+            "--methods",
+            "kivi2,kvarn2",
+            "--text",
+            "topics",
+            "--prompts",
+            "2",
+        ],
+    ],
+)
 @pytest.mark.e2e
 def test_cli_end_to_end(model, tmp_path, argv):
-    main(["--out", str(tmp_path), "--tag", "t", *argv], model=model, tokenizer=Bytes(), model_name="tiny llama64")
+    main(
+        ["--out", str(tmp_path), "--tag", "t", *argv],
+        model=model,
+        tokenizer=Bytes(),
+        model_name="tiny llama64",
+    )
     stem = next(a for a in argv if a in ("fidelity", "accumulation", "decode")) + "_t"
     data = json.loads((tmp_path / f"{stem}.json").read_text())
     assert data["meta"]["model"] == "tiny llama64" and "mlx" in data["meta"]["versions"]
@@ -220,6 +315,7 @@ def test_cli_end_to_end(model, tmp_path, argv):
             assert r["acc_mean"] > 0 and r["static_mean"] > 0
     try:
         import matplotlib  # noqa: F401
+
         assert data["plots"] and all((tmp_path / p).exists() for p in data["plots"])
         assert all(p.endswith("_t.png") for p in data["plots"])
     except ImportError:
@@ -229,4 +325,8 @@ def test_cli_end_to_end(model, tmp_path, argv):
 
 def test_unknown_method_fails_early(tmp_path):
     with pytest.raises(ValueError, match="unknown method"):
-        main(["--out", str(tmp_path), "fidelity", "--methods", "kivi3"], model=object(), tokenizer=Bytes())
+        main(
+            ["--out", str(tmp_path), "fidelity", "--methods", "kivi3"],
+            model=object(),
+            tokenizer=Bytes(),
+        )

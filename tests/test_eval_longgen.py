@@ -32,7 +32,9 @@ def test_end_of_sequence_never_wins(tiny):
     assert logits.dtype == mx.float32 and bool(mx.isfinite(logits).all())
     assert int(mx.argmax(logits[0, -1])) not in eos
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    assert float((mx.exp(lp) * (lp - lp)).sum()) == 0.0  # KL of a distribution to itself stays defined
+    assert (
+        float((mx.exp(lp) * (lp - lp)).sum()) == 0.0
+    )  # KL of a distribution to itself stays defined
 
 
 def test_plain_cache_against_itself_differs_by_rounding_only(tiny):
@@ -47,21 +49,40 @@ def test_plain_cache_against_itself_differs_by_rounding_only(tiny):
 @pytest.mark.e2e
 def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
     model, tok = tiny
-    argv = ["--out", str(tmp_path), "--tag", "t", "longgen", "--methods", "k2v2_g128,mlxq4", "--steps", "300",
-            "--prompts", "2", "--chunk", "64", "--checkpoint", str(tmp_path / "ck.jsonl")]
+    argv = [
+        "--out",
+        str(tmp_path),
+        "--tag",
+        "t",
+        "longgen",
+        "--methods",
+        "k2v2_g128,mlxq4",
+        "--steps",
+        "300",
+        "--prompts",
+        "2",
+        "--chunk",
+        "64",
+        "--checkpoint",
+        str(tmp_path / "ck.jsonl"),
+    ]
     first = main(argv, model=model, tokenizer=tok, model_name="tiny")
     saved = json.loads((tmp_path / "longgen_t.json").read_text())["result"]
     assert len(saved["prompts"]) == 2
     for name in ("k2v2_g128", "mlxq4"):
         r = saved["methods"][name]
-        assert len(r["kl"]) == 300 and len(r["first_divergence"]) == 2 and 0 <= r["agreement"][0] <= 1
+        assert (
+            len(r["kl"]) == 300 and len(r["first_divergence"]) == 2 and 0 <= r["agreement"][0] <= 1
+        )
     # A prompt of ~40 tokens and 300 generated: tiles of generated tokens were read, so KVarN is not exact.
     assert np.mean(saved["methods"]["k2v2_g128"]["kl"][200:]) > 0
     md = (tmp_path / "longgen_t.md").read_text()
     assert "| k2v2_g128 | 2/2 |" in md and "KL steps 256-300" in md
     assert (tmp_path / "longgen_kl_t.png").exists()
     # A second run with the same settings takes both prompts from the checkpoint.
-    monkeypatch.setattr(longgen, "_one_prompt", lambda *a, **k: pytest.fail("ran a finished prompt again"))
+    monkeypatch.setattr(
+        longgen, "_one_prompt", lambda *a, **k: pytest.fail("ran a finished prompt again")
+    )
     again = main(argv, model=model, tokenizer=tok, model_name="tiny")
     assert np.array_equal(again["methods"]["k2v2_g128"]["kl"], first["methods"]["k2v2_g128"]["kl"])
     # Fewer methods reuse the prompts too; a method the checkpoint lacks, or other settings, do not.
@@ -81,8 +102,14 @@ def test_prompt_count_checked(tiny, tmp_path):
 # k2v2_g128 (steps of many tokens over tiles) by default. With -m slow: auto4v2, whose
 # steps are one token (test_step_ends holds that), and mlxq4, an mlx-lm cache (its
 # step ends: test_step_ends; its longgen run: test_cli_end_to_end_and_resume).
-@pytest.mark.parametrize("method", ["k2v2_g128", pytest.param("auto4v2", marks=pytest.mark.slow),
-                                    pytest.param("mlxq4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "k2v2_g128",
+        pytest.param("auto4v2", marks=pytest.mark.slow),
+        pytest.param("mlxq4", marks=pytest.mark.slow),
+    ],
+)
 def test_steps_ending_at_tiles_read_what_one_token_decoding_reads(tiny, method):
     from mlx_lm.models import cache as mlx_cache
 
@@ -93,10 +120,14 @@ def test_steps_ending_at_tiles_read_what_one_token_decoding_reads(tiny, method):
     model, tok = tiny
     ids = longgen.prompt_ids(tok, longgen.QUESTIONS[0])
     traj, ref_lp = _greedy(model, ids, mlx_cache.make_prompt_cache(model), 420, 2048, "fp")
-    one = _forced(model, ids, for_model(make_caches(model, method), "dequant"), traj, ref_lp, 2048, "one")
+    one = _forced(
+        model, ids, for_model(make_caches(model, method), "dequant"), traj, ref_lp, 2048, "one"
+    )
     caches = make_caches(model, method)
     ends = longgen.step_ends(caches, len(ids), len(traj) - 1)
-    many = longgen.forced_steps(model, ids, for_model(caches, "dequant"), ends, traj, ref_lp, 2048, "many")
+    many = longgen.forced_steps(
+        model, ids, for_model(caches, "dequant"), ends, traj, ref_lp, 2048, "many"
+    )
     assert len(many[0]) == len(one[0]) == 420
     if method.startswith("auto"):  # one token per step: the same computation
         assert ends == list(range(len(ids) + 1, len(ids) + 420))

@@ -73,7 +73,9 @@ def test_first_chunk_from_plain_kv_equals_running_the_model(tiny, method):
     ids, *_ = retrieval.make_prompt(tok, "passkey", 700, 0.5, random.Random(0))
     fp = make_caches(model, "fp")
     grabbed = []
-    retrieval.answer(model, ids, fp, 300, 4, on_first_chunk=lambda: grabbed.append(retrieval.first_chunk_kv(fp)))
+    retrieval.answer(
+        model, ids, fp, 300, 4, on_first_chunk=lambda: grabbed.append(retrieval.first_chunk_kv(fp))
+    )
     results = []
     for replay in (None, grabbed[0]):
         caches = make_caches(model, method)
@@ -97,9 +99,18 @@ def test_plain_cache_is_not_replayed_into_mlx_lm_quantized_or_auto(tiny):
 
 def test_summary_counts_and_interval():
     def rec(L, d, fp, m):
-        return {"task": "passkey", "length": L, "depth": d, "answers": {"fp": {"right": fp}, "m": {"right": m}}}
+        return {
+            "task": "passkey",
+            "length": L,
+            "depth": d,
+            "answers": {"fp": {"right": fp}, "m": {"right": m}},
+        }
 
-    records = [rec(100, 0.0, True, True)] * 6 + [rec(100, 1.0, True, False)] * 3 + [rec(200, 0.0, False, True)]
+    records = (
+        [rec(100, 0.0, True, True)] * 6
+        + [rec(100, 1.0, True, False)] * 3
+        + [rec(200, 0.0, False, True)]
+    )
     s = retrieval.summarize(records, ["fp", "m"], ["passkey"], [100, 200], [0.0, 1.0])["passkey"]
     assert (s["fp"]["right"], s["m"]["right"], s["m"]["trials"]) == (9, 7, 10)
     assert (s["m"]["lost_vs_fp"], s["m"]["gained_vs_fp"]) == (3, 1)
@@ -112,23 +123,53 @@ def test_summary_counts_and_interval():
 def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
     folder, model, tok = tiny
     ck = tmp_path / "ck.jsonl"
-    argv = ["--out", str(tmp_path), "--tag", "t", "retrieval", "--methods", "mlxq4,k4v2_g128", "--lengths", "300,500",
-            "--depths", "0,1", "--trials", "1", "--prefill-step-size", "256", "--answer-tokens", "3",
-            "--checkpoint", str(ck)]
+    argv = [
+        "--out",
+        str(tmp_path),
+        "--tag",
+        "t",
+        "retrieval",
+        "--methods",
+        "mlxq4,k4v2_g128",
+        "--lengths",
+        "300,500",
+        "--depths",
+        "0,1",
+        "--trials",
+        "1",
+        "--prefill-step-size",
+        "256",
+        "--answer-tokens",
+        "3",
+        "--checkpoint",
+        str(ck),
+    ]
     res = main(argv, model=model, tokenizer=tok, model_name="tiny")
     assert len(res["records"]) == 2 * 2 * 2 and len(ck.read_text().splitlines()) == 8
     saved = json.loads((tmp_path / "retrieval_t.json").read_text())
     assert saved["result"]["summary"]["multikey"]["k4v2_g128"]["trials"] == 4
-    assert {"retrieval_passkey_t.png", "retrieval_multikey_t.png"} <= {p.name for p in tmp_path.iterdir()}
+    assert {"retrieval_passkey_t.png", "retrieval_multikey_t.png"} <= {
+        p.name for p in tmp_path.iterdir()
+    }
     assert "| k4v2_g128 | 4/2 |" in (tmp_path / "retrieval_t.md").read_text()
     # A second run with the same settings takes every prompt from the checkpoint.
-    monkeypatch.setattr(retrieval, "answer", lambda *a, **k: pytest.fail("ran a finished prompt again"))
+    monkeypatch.setattr(
+        retrieval, "answer", lambda *a, **k: pytest.fail("ran a finished prompt again")
+    )
     again = main(argv, model=model, tokenizer=tok, model_name="tiny")
     assert again["records"] == res["records"]
     # Fewer methods and a subset of the lengths reuse it too, with the other methods' answers dropped.
-    fewer = main([*argv[:6], "k4v2_g128", "--lengths", "500", *argv[9:]], model=model, tokenizer=tok, model_name="tiny")
-    assert [r["answers"] for r in fewer["records"]] == \
-        [{m: r["answers"][m] for m in ("fp", "k4v2_g128")} for r in res["records"] if r["length"] == 500]
+    fewer = main(
+        [*argv[:6], "k4v2_g128", "--lengths", "500", *argv[9:]],
+        model=model,
+        tokenizer=tok,
+        model_name="tiny",
+    )
+    assert [r["answers"] for r in fewer["records"]] == [
+        {m: r["answers"][m] for m in ("fp", "k4v2_g128")}
+        for r in res["records"]
+        if r["length"] == 500
+    ]
     # A method the checkpoint lacks is not taken from it.
     with pytest.raises(pytest.fail.Exception, match="ran a finished prompt again"):
         main([*argv[:6], "k2v2_g128", *argv[7:]], model=model, tokenizer=tok, model_name="tiny")

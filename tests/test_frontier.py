@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _frontier():
-    spec = importlib.util.spec_from_file_location("bench_frontier", ROOT / "benchmarks" / "frontier.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_frontier", ROOT / "benchmarks" / "frontier.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -22,11 +24,22 @@ def _frontier():
 
 def test_status_and_choices():
     f = _frontier()
-    pts = [{"method": m, "bytes_per_token": b, "kl_mean": kl} for m, b, kl in [
-        ("mlxq2", 40, 0.5), ("mlxq4", 80, 0.1), ("k2v2_g128", 30, 0.3), ("k3v3_g128", 60, 0.2),
-        ("k4v4_g128", 80, 0.05), ("k8v8_g128", 150, 0.0005), ("k6v6_g128", 120, 0.002)]]
+    pts = [
+        {"method": m, "bytes_per_token": b, "kl_mean": kl}
+        for m, b, kl in [
+            ("mlxq2", 40, 0.5),
+            ("mlxq4", 80, 0.1),
+            ("k2v2_g128", 30, 0.3),
+            ("k3v3_g128", 60, 0.2),
+            ("k4v4_g128", 80, 0.05),
+            ("k8v8_g128", 150, 0.0005),
+            ("k6v6_g128", 120, 0.002),
+        ]
+    ]
     by = {p["method"]: p for p in f.status(pts)}
-    assert by["k2v2_g128"]["on_or_below_mlx"] and by["k2v2_g128"]["best_other"] is None  # below mlx-lm's least bytes
+    assert (
+        by["k2v2_g128"]["on_or_below_mlx"] and by["k2v2_g128"]["best_other"] is None
+    )  # below mlx-lm's least bytes
     assert by["k3v3_g128"]["on_or_below_mlx"] and by["k3v3_g128"]["best_other"] == "mlxq2"
     assert by["mlxq4"]["best_other"] == "k4v4_g128" and by["mlxq4"]["on_or_below_mlx"] is None
     by["k3v3_g128"]["kl_mean"] = 0.6
@@ -37,27 +50,78 @@ def test_status_and_choices():
     assert c["most_context"] == "k2v2_g128" and c["best_at_half_memory"] == "k8v8_g128"
     assert c["best_at_quarter_memory"] == "k4v4_g128" and c["near_lossless"] == "k8v8_g128"
     # The fewest bytes only among usable caches: k2v2_g128's KL 0.3 is over 0.2.
-    assert f.choose(pts, plain=320, near_lossless_kl=1e-3, usable_kl=0.2)["most_context"] == "k4v4_g128"
+    assert (
+        f.choose(pts, plain=320, near_lossless_kl=1e-3, usable_kl=0.2)["most_context"]
+        == "k4v4_g128"
+    )
 
 
 @pytest.mark.e2e
 def test_frontier_end_to_end(tmp_path):
     folder = tiny_model_folder(tmp_path / "model")
     out = tmp_path / "results"
-    eval_main(["--model", str(folder), "--out", str(out), "--tag", "t", "fidelity", "--contexts", "384",
-               "--chunk", "128", "--methods", "k2v2_g128,k4v4_g128+fp8,k8v8_g128+fp16:0,mlxq2,mlxq4"])
+    eval_main(
+        [
+            "--model",
+            str(folder),
+            "--out",
+            str(out),
+            "--tag",
+            "t",
+            "fidelity",
+            "--contexts",
+            "384",
+            "--chunk",
+            "128",
+            "--methods",
+            "k2v2_g128,k4v4_g128+fp8,k8v8_g128+fp16:0,mlxq2,mlxq4",
+        ]
+    )
     # A second run (packed attention) replaces the first one's k2v2_g128 row.
-    eval_main(["--model", str(folder), "--out", str(out), "--tag", "p", "--attention", "packed", "fidelity",
-               "--contexts", "384", "--chunk", "128", "--methods", "k2v2_g128"])
-    res = _frontier().main([str(out / "fidelity_t.json"), str(out / "fidelity_p.json"), "--name", "t", "--model", str(folder), "--out", str(out),
-                              "--long-context", "640"])
+    eval_main(
+        [
+            "--model",
+            str(folder),
+            "--out",
+            str(out),
+            "--tag",
+            "p",
+            "--attention",
+            "packed",
+            "fidelity",
+            "--contexts",
+            "384",
+            "--chunk",
+            "128",
+            "--methods",
+            "k2v2_g128",
+        ]
+    )
+    res = _frontier().main(
+        [
+            str(out / "fidelity_t.json"),
+            str(out / "fidelity_p.json"),
+            "--name",
+            "t",
+            "--model",
+            str(folder),
+            "--out",
+            str(out),
+            "--long-context",
+            "640",
+        ]
+    )
     pts = {p["method"]: p for p in res["points"]}
     assert set(pts) == {"k2v2_g128", "k4v4_g128+fp8", "k8v8_g128+fp16:0", "mlxq2", "mlxq4"}
     assert pts["k2v2_g128"]["attention"] == "packed" and pts["mlxq2"]["attention"] == "dequant"
     assert [r["attention"] for r in res["fidelity_runs"]] == ["dequant", "packed"]
     # 2 layers, 1 kv head, head dim 64, K and V, float16.
     assert res["plain_fp16_bytes_per_token"] == 2 * 64 * 2 * 2
-    assert pts["k2v2_g128"]["bytes_per_token"] < pts["k4v4_g128+fp8"]["bytes_per_token"] < res["plain_fp16_bytes_per_token"]
+    assert (
+        pts["k2v2_g128"]["bytes_per_token"]
+        < pts["k4v4_g128+fp8"]["bytes_per_token"]
+        < res["plain_fp16_bytes_per_token"]
+    )
     assert pts["mlxq2"]["bytes_per_token"] < pts["mlxq4"]["bytes_per_token"]
     # At 640 tokens the 128-token sink weighs less; mlx-lm's caches hold the same per token.
     assert pts["k2v2_g128"]["long_bytes_per_token"] < pts["k2v2_g128"]["bytes_per_token"]
@@ -69,6 +133,8 @@ def test_frontier_end_to_end(tmp_path):
     assert all(p["run_bytes_per_token"] > p["whole_bytes_per_token"] for p in pts.values())
     data = json.loads((out / "frontier_t.json").read_text())
     md = (out / "frontier_t.md").read_text()
-    assert data["result"]["choices"]["most_context"] in pts and "python benchmarks/frontier.py" in md
+    assert (
+        data["result"]["choices"]["most_context"] in pts and "python benchmarks/frontier.py" in md
+    )
     assert md.count("\n| ") == 1 + len(pts)
     assert (out / "frontier_t.png").stat().st_size > 0

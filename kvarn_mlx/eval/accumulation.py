@@ -30,23 +30,33 @@ def add_arguments(p):
 
 def run(args, model, tokenizer, methods, meta_md):
     """(result for the json, markdown, plot drawer) of one CLI run."""
-    res = accumulation(model, tokenizer, methods, args.context, args.block, args.text, args.attention)
+    res = accumulation(
+        model, tokenizer, methods, args.context, args.block, args.text, args.attention
+    )
     md = markdown(res, meta_md)
     summary = summarize(res)[0]
     return dict(compact(res), summary=summary), md, lambda folder: plots(res, folder)
 
 
-def accumulation(model, tokenizer, methods, context=2048, block=G, source="topics", attention_mode="dequant"):
+def accumulation(
+    model, tokenizer, methods, context=2048, block=G, source="topics", attention_mode="dequant"
+):
     ids = tokens(tokenizer, source, context)
     ref, q, kv = _capture_run(model, ids, mlx_cache.make_prompt_cache(model), block, "fp", True)
     scale = model.layers[0].self_attn.scale
     res = {"context": context, "block": block, "source": source, "methods": {}}
     for name in methods:
-        out = _capture_run(model, ids, for_model(make_caches(model, name), attention_mode), block, name)
+        out = _capture_run(
+            model, ids, for_model(make_caches(model, name), attention_mode), block, name
+        )
         acc = np.stack([np.abs(o - r).mean(axis=1) for o, r in zip(out, ref)])  # [layers, L]
         fresh = make_caches(model, name)
-        sta = np.stack([np.abs(_static_outputs(fresh[i], q[i], *kv[i], scale, block) - ref[i]).mean(axis=1)
-                        for i in range(len(ref))])
+        sta = np.stack(
+            [
+                np.abs(_static_outputs(fresh[i], q[i], *kv[i], scale, block) - ref[i]).mean(axis=1)
+                for i in range(len(ref))
+            ]
+        )
         res["methods"][name] = {"accumulated": acc, "static": sta}
     return res
 
@@ -84,7 +94,9 @@ def _static_outputs(c, q, k, v, scale, block):
     exact_block = True
     if isinstance(c, KVarNCache):
         c.update_and_fetch(k, v)
-        kh, vh = c.update_and_fetch(k[..., :0, :], v[..., :0, :])  # a 0-token step: every tile now counts as seen
+        kh, vh = c.update_and_fetch(
+            k[..., :0, :], v[..., :0, :]
+        )  # a 0-token step: every tile now counts as seen
     elif isinstance(c, QuantizedKVCache):
         kq, vq = c.update_and_fetch(k, v)
         kh = mx.dequantize(*kq, group_size=c.group_size, bits=c.bits)
@@ -119,34 +131,45 @@ def summarize(res, sink=SINK):
         sel = pos >= sink + G
         slope = np.polyfit(pos[sel] / 1000, acc[sel], 1)[0]
         slope_s = np.polyfit(pos[sel] / 1000, sta[sel], 1)[0]
-        rows.append({
-            "method": name,
-            "acc_first": _window(acc, *first), "acc_last": _window(acc, *last),
-            "static_first": _window(sta, *first), "static_last": _window(sta, *last),
-            "acc_growth": _window(acc, *last) / max(_window(acc, *first), 1e-12),
-            "acc_over_static_last": _window(acc, *last) / max(_window(sta, *last), 1e-12),
-            "acc_slope_per_1k": float(slope), "static_slope_per_1k": float(slope_s),
-            "acc_mean": float(acc[sel].mean()), "static_mean": float(sta[sel].mean()),
-        })
+        rows.append(
+            {
+                "method": name,
+                "acc_first": _window(acc, *first),
+                "acc_last": _window(acc, *last),
+                "static_first": _window(sta, *first),
+                "static_last": _window(sta, *last),
+                "acc_growth": _window(acc, *last) / max(_window(acc, *first), 1e-12),
+                "acc_over_static_last": _window(acc, *last) / max(_window(sta, *last), 1e-12),
+                "acc_slope_per_1k": float(slope),
+                "static_slope_per_1k": float(slope_s),
+                "acc_mean": float(acc[sel].mean()),
+                "static_mean": float(sta[sel].mean()),
+            }
+        )
     return rows, first, last
 
 
 def markdown(res, meta_md):
     rows, first, last = summarize(res)
-    out = [f"# Error accumulation (pseudo-decode, text: {res['source']})\n", meta_md,
-           f"\nContext {res['context']} tokens, prefilled in blocks of {res['block']} (each block is quantized "
-           "before the next attends to it; a block's own tokens are seen in full precision, as in real decoding). "
-           "Error = mean |attention output - full-precision output| (before o_proj), averaged over heads, channels "
-           "and layers. Accumulated: the chunked run, where every layer's input already carries the error of earlier "
-           "layers and tokens. Static: the full-precision run's K/V quantized once, attended by the full-precision "
-           "queries with the same visibility (tiles before the query's block quantized, the block itself exact), so "
-           f"acc/static > 1 is error carried forward through layers and tokens. Windows: first = positions [{first[0]}, {first[1]}), last = [{last[0]}, {last[1]}).\n",
-           "| method | acc first | acc last | acc growth (last/first) | acc slope /1K tok | static first | static last | static slope /1K | acc/static (last) |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"# Error accumulation (pseudo-decode, text: {res['source']})\n",
+        meta_md,
+        f"\nContext {res['context']} tokens, prefilled in blocks of {res['block']} (each block is quantized "
+        "before the next attends to it; a block's own tokens are seen in full precision, as in real decoding). "
+        "Error = mean |attention output - full-precision output| (before o_proj), averaged over heads, channels "
+        "and layers. Accumulated: the chunked run, where every layer's input already carries the error of earlier "
+        "layers and tokens. Static: the full-precision run's K/V quantized once, attended by the full-precision "
+        "queries with the same visibility (tiles before the query's block quantized, the block itself exact), so "
+        f"acc/static > 1 is error carried forward through layers and tokens. Windows: first = positions [{first[0]}, {first[1]}), last = [{last[0]}, {last[1]}).\n",
+        "| method | acc first | acc last | acc growth (last/first) | acc slope /1K tok | static first | static last | static slope /1K | acc/static (last) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['method']} | {r['acc_first']:.5f} | {r['acc_last']:.5f} | {r['acc_growth']:.2f} | "
-                   f"{r['acc_slope_per_1k']:+.5f} | {r['static_first']:.5f} | {r['static_last']:.5f} | "
-                   f"{r['static_slope_per_1k']:+.5f} | {r['acc_over_static_last']:.2f} |")
+        out.append(
+            f"| {r['method']} | {r['acc_first']:.5f} | {r['acc_last']:.5f} | {r['acc_growth']:.2f} | "
+            f"{r['acc_slope_per_1k']:+.5f} | {r['static_first']:.5f} | {r['static_last']:.5f} | "
+            f"{r['static_slope_per_1k']:+.5f} | {r['acc_over_static_last']:.2f} |"
+        )
     out.append("\nPer-layer mean error over quantized positions (accumulated / static):\n")
     names = list(res["methods"])
     out.append("| layer | " + " | ".join(names) + " |")
@@ -156,7 +179,9 @@ def markdown(res, meta_md):
         cells = []
         for n in names:
             r = res["methods"][n]
-            cells.append(f"{r['accumulated'][i, SINK + G:].mean():.4f} / {r['static'][i, SINK + G:].mean():.4f}")
+            cells.append(
+                f"{r['accumulated'][i, SINK + G :].mean():.4f} / {r['static'][i, SINK + G :].mean():.4f}"
+            )
         out.append(f"| {i} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
@@ -171,7 +196,9 @@ def compact(res, bin=16):
             x = np.asarray(r[key], dtype=np.float64)
             n = x.shape[1] // bin * bin
             m[f"{key}_mean_over_layers"] = np.round(x.mean(axis=0), 6)
-            m[f"{key}_per_layer_binned"] = np.round(x[:, :n].reshape(x.shape[0], -1, bin).mean(axis=2), 6)
+            m[f"{key}_per_layer_binned"] = np.round(
+                x[:, :n].reshape(x.shape[0], -1, bin).mean(axis=2), 6
+            )
         out["methods"][name] = m
     return out
 
@@ -186,16 +213,34 @@ def plots(res, outdir, smooth=64):
     for j, (name, r) in enumerate(res["methods"].items()):
         c = colors[j % len(colors)]
         for ax, key, ls in ((axes[0], "accumulated", "-"), (axes[0], "static", "--")):
-            y = np.convolve(r[key].mean(axis=0)[SINK + G:], k, mode="valid")  # smooth quantized positions only
-            ax.plot(SINK + G + smooth // 2 + np.arange(len(y)), y, ls, color=c, label=f"{name} {key}")
+            y = np.convolve(
+                r[key].mean(axis=0)[SINK + G :], k, mode="valid"
+            )  # smooth quantized positions only
+            ax.plot(
+                SINK + G + smooth // 2 + np.arange(len(y)), y, ls, color=c, label=f"{name} {key}"
+            )
         n_layers = r["accumulated"].shape[0]
         for i in (n_layers // 2, n_layers - 1):
-            y = np.convolve(r["accumulated"][i][SINK + G:], k, mode="valid")
-            axes[1].plot(SINK + G + smooth // 2 + np.arange(len(y)), y, "-" if i == n_layers - 1 else ":",
-                         color=c, label=f"{name} layer {i}")
-    axes[0].set(xlabel="position (tokens)", ylabel="mean |attn out - fp|", yscale="log",
-                title=f"mean of all layers, block {res['block']} (solid: accumulated, dashed: static)")
-    axes[1].set(xlabel="position (tokens)", ylabel="mean |attn out - fp|", yscale="log", title="accumulated, single layers")
+            y = np.convolve(r["accumulated"][i][SINK + G :], k, mode="valid")
+            axes[1].plot(
+                SINK + G + smooth // 2 + np.arange(len(y)),
+                y,
+                "-" if i == n_layers - 1 else ":",
+                color=c,
+                label=f"{name} layer {i}",
+            )
+    axes[0].set(
+        xlabel="position (tokens)",
+        ylabel="mean |attn out - fp|",
+        yscale="log",
+        title=f"mean of all layers, block {res['block']} (solid: accumulated, dashed: static)",
+    )
+    axes[1].set(
+        xlabel="position (tokens)",
+        ylabel="mean |attn out - fp|",
+        yscale="log",
+        title="accumulated, single layers",
+    )
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -23,11 +23,18 @@ class OracleKeysCache(KVarNCache):
 
     def quantize(self, k, v):
         c = self.config
-        M = mx.swapaxes(quant.rotated_where(self.rotate_k, k.astype(mx.float32), quant.rotate), -1, -2)  # [.., D, G]
+        M = mx.swapaxes(
+            quant.rotated_where(self.rotate_k, k.astype(mx.float32), quant.rotate), -1, -2
+        )  # [.., D, G]
         t = mx.maximum(mx.sqrt(mx.var(M, axis=-2, keepdims=True, ddof=1)), 1e-6)
         code, scale, lo = quant.rtn(M / t, c.k_bits)
         dt = getattr(mx, c.scale_dtype)
-        keys = quant.pack(code, c.k_bits), scale[..., 0].astype(dt), lo[..., 0].astype(dt), t[..., 0, :]
+        keys = (
+            quant.pack(code, c.k_bits),
+            scale[..., 0].astype(dt),
+            lo[..., 0].astype(dt),
+            t[..., 0, :],
+        )
         return Tiles(*keys, *dispatch.quantize_values(v, c.v_bits, 0, self.rotate_v, c.scale_dtype))
 
 
@@ -46,8 +53,10 @@ class _DequantizedView(KVarNCache):
         if s.tiles is None:
             return super().dequantized(s)
         k, v = self.dequantize_tiles(s.tiles.valid(s.n_tiles))
-        return (mx.concatenate([s.sink_k, k.astype(s.sink_k.dtype), s.recent_k], axis=2),
-                mx.concatenate([s.sink_v, v.astype(s.sink_v.dtype), s.recent_v], axis=2))
+        return (
+            mx.concatenate([s.sink_k, k.astype(s.sink_k.dtype), s.recent_k], axis=2),
+            mx.concatenate([s.sink_v, v.astype(s.sink_v.dtype), s.recent_v], axis=2),
+        )
 
     def step_view(self):
         s = super().step_view()
@@ -55,7 +64,18 @@ class _DequantizedView(KVarNCache):
             return s
         k, v = self.dequantized(s)
         n = s.sink_k.shape[2]
-        return StepView(s.sink_k, s.sink_v, None, 0, k[..., n:, :], v[..., n:, :], s.k_bits, s.v_bits, False, False)
+        return StepView(
+            s.sink_k,
+            s.sink_v,
+            None,
+            0,
+            k[..., n:, :],
+            v[..., n:, :],
+            s.k_bits,
+            s.v_bits,
+            False,
+            False,
+        )
 
 
 def _tokens(x):
@@ -72,7 +92,13 @@ class KeysOnlyCache(_DequantizedView):
     def quantize(self, k, v):
         c = self.config
         none = mx.zeros((*k.shape[:3], 0), k.dtype)
-        return Tiles(*dispatch.quantize_keys(k, c.k_bits, c.iters, self.rotate_k, c.scale_dtype), v, none, none, none)
+        return Tiles(
+            *dispatch.quantize_keys(k, c.k_bits, c.iters, self.rotate_k, c.scale_dtype),
+            v,
+            none,
+            none,
+            none,
+        )
 
     def dequantize_tiles(self, tiles):
         k = quant.dequantize_keys(*tiles.keys(), self.config.k_bits)
@@ -87,7 +113,13 @@ class ValuesOnlyCache(_DequantizedView):
     def quantize(self, k, v):
         c = self.config
         none = mx.zeros((*k.shape[:3], 0), k.dtype)
-        return Tiles(k, none, none, none, *dispatch.quantize_values(v, c.v_bits, c.iters, self.rotate_v, c.scale_dtype))
+        return Tiles(
+            k,
+            none,
+            none,
+            none,
+            *dispatch.quantize_values(v, c.v_bits, c.iters, self.rotate_v, c.scale_dtype),
+        )
 
     def dequantize_tiles(self, tiles):
         c = self.config
@@ -111,8 +143,10 @@ class AffineCache(_DequantizedView):
     def dequantize_tiles(self, tiles):
         c = self.config
         out = []
-        for (w, s, b), bits in (((tiles.k_words, tiles.k_a, tiles.k_b), c.k_bits),
-                                ((tiles.v_words, tiles.v_a, tiles.v_b), c.v_bits)):
+        for (w, s, b), bits in (
+            ((tiles.k_words, tiles.k_a, tiles.k_b), c.k_bits),
+            ((tiles.v_words, tiles.v_a, tiles.v_b), c.v_bits),
+        ):
             D = w.shape[-1] * 32 // bits
             x = mx.dequantize(w, s, b, group_size=D // s.shape[-1], bits=bits)
             B, H, m, G, _ = x.shape

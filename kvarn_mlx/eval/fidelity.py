@@ -15,10 +15,17 @@ HELP = "teacher-forced KL / top-1 / perplexity vs the plain cache"
 
 
 def add_arguments(p):
-    p.add_argument("--methods", default="kivi2,rot2,norm2,kvarn2,oracle2,affine2,mlxq2,konly2,vonly2,"
-                   "kivi4,rot4,norm4,kvarn4,oracle4,affine4,mlxq4")
+    p.add_argument(
+        "--methods",
+        default="kivi2,rot2,norm2,kvarn2,oracle2,affine2,mlxq2,konly2,vonly2,"
+        "kivi4,rot4,norm4,kvarn4,oracle4,affine4,mlxq4",
+    )
     p.add_argument("--contexts", default="512,1024,2048,4096")
-    p.add_argument("--text", default="topics", help="topics (CPython pydoc_data/topics.py), licenses, or a file")
+    p.add_argument(
+        "--text",
+        default="topics",
+        help="topics (CPython pydoc_data/topics.py), licenses, or a file",
+    )
     p.add_argument("--chunk", type=int, default=256)
 
 
@@ -29,7 +36,16 @@ def run(args, model, tokenizer, methods, meta_md):
     return res, markdown(res, meta_md), lambda folder: plots(res, folder)
 
 
-def fidelity(model, tokenizer, methods, contexts, source="topics", chunk=256, attention_mode="dequant", sink=SINK):
+def fidelity(
+    model,
+    tokenizer,
+    methods,
+    contexts,
+    source="topics",
+    chunk=256,
+    attention_mode="dequant",
+    sink=SINK,
+):
     """Teacher-forced metrics per method and context length.
 
     One run of max(contexts) tokens per method: attention is causal and chunk
@@ -69,7 +85,9 @@ def fidelity(model, tokenizer, methods, contexts, source="topics", chunk=256, at
                 bytes_at[name][s + n] = cache_bytes(caches[name])
             seconds[name] += time.time() - t0
             bar.step()
-    per_pos = {name: {key: np.concatenate(v) for key, v in d.items()} for name, d in per_pos.items()}
+    per_pos = {
+        name: {key: np.concatenate(v) for key, v in d.items()} for name, d in per_pos.items()
+    }
     del caches, views
 
     rows = []
@@ -81,37 +99,61 @@ def fidelity(model, tokenizer, methods, contexts, source="topics", chunk=256, at
             kl = p["kl"][sel].astype(np.float64)
             ppl = float(np.exp(p["nll"][sel].mean()))
             b = bytes_at[name].get(Lc, {})
-            rows.append({
-                "method": name, "bits_kv": method_bits(name), "context": Lc,
-                "kl_mean": float(np.maximum(kl, 0).mean()), "kl_p99": float(np.percentile(np.maximum(kl, 0), 99)),
-                "top1_agree": float(p["agree"][sel].mean()), "ppl": ppl, "ppl_delta": ppl - ppl_fp,
-                "bytes": b.get("bytes"), "fp16_bytes": bytes_at["fp"][Lc]["fp16_bytes"],
-                "growing_bytes": b.get("growing_bytes"),
-                "bits_per_quantized_element": b.get("bits_per_quantized_element"),
-            })
-    return {"rows": rows, "seconds": seconds, "source": source, "chunk": chunk, "sink": sink,
-            "positions": f"positions {sink}..L-2 (predicting tokens {sink + 1}..L-1)"}
+            rows.append(
+                {
+                    "method": name,
+                    "bits_kv": method_bits(name),
+                    "context": Lc,
+                    "kl_mean": float(np.maximum(kl, 0).mean()),
+                    "kl_p99": float(np.percentile(np.maximum(kl, 0), 99)),
+                    "top1_agree": float(p["agree"][sel].mean()),
+                    "ppl": ppl,
+                    "ppl_delta": ppl - ppl_fp,
+                    "bytes": b.get("bytes"),
+                    "fp16_bytes": bytes_at["fp"][Lc]["fp16_bytes"],
+                    "growing_bytes": b.get("growing_bytes"),
+                    "bits_per_quantized_element": b.get("bits_per_quantized_element"),
+                }
+            )
+    return {
+        "rows": rows,
+        "seconds": seconds,
+        "source": source,
+        "chunk": chunk,
+        "sink": sink,
+        "positions": f"positions {sink}..L-2 (predicting tokens {sink + 1}..L-1)",
+    }
 
 
 def markdown(res, meta_md):
-    out = [f"# Fidelity (teacher-forced, text: {res['source']})\n", meta_md,
-           f"\nPrefill in {res['chunk']}-token chunks (each chunk attends to tiles quantized before it). "
-           f"Metrics over {res['positions']}; KL = KL(p_fp || p_method) per position in nats. "
-           "Bytes: measured held K/V arrays of all layers at that context (sink and tail in the model's dtype, "
-           "float32 here); ratio = a 2-byte fp16 KVCache's bytes / measured bytes. "
-           "bits/elt: codes + scales per element stored in quantized tiles (for K-only / V-only: of the quantized side).\n"]
+    out = [
+        f"# Fidelity (teacher-forced, text: {res['source']})\n",
+        meta_md,
+        f"\nPrefill in {res['chunk']}-token chunks (each chunk attends to tiles quantized before it). "
+        f"Metrics over {res['positions']}; KL = KL(p_fp || p_method) per position in nats. "
+        "Bytes: measured held K/V arrays of all layers at that context (sink and tail in the model's dtype, "
+        "float32 here); ratio = a 2-byte fp16 KVCache's bytes / measured bytes. "
+        "bits/elt: codes + scales per element stored in quantized tiles (for K-only / V-only: of the quantized side).\n",
+    ]
     for Lc in sorted({r["context"] for r in res["rows"]}):
         out.append(f"\n## Context {Lc}\n")
-        out.append("| method | K/V bits | KL mean | KL p99 | top-1 agree | ppl | ppl delta | bytes | vs fp16 | bits/elt |")
+        out.append(
+            "| method | K/V bits | KL mean | KL p99 | top-1 agree | ppl | ppl delta | bytes | vs fp16 | bits/elt |"
+        )
         out.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in res["rows"]:
             if r["context"] != Lc:
                 continue
             ratio = f"{r['fp16_bytes'] / r['bytes']:.2f}x" if r["bytes"] else ""
             be = f"{r['bits_per_quantized_element']:.2f}" if r["bits_per_quantized_element"] else ""
-            out.append(f"| {r['method']} | {r['bits_kv']} | {r['kl_mean']:.4f} | {r['kl_p99']:.3f} | "
-                       f"{r['top1_agree']:.3f} | {r['ppl']:.3f} | {r['ppl_delta']:+.3f} | {r['bytes'] or ''} | {ratio} | {be} |")
-    out.append("\nSeconds per method (whole run): " + ", ".join(f"{k} {v:.0f}" for k, v in res["seconds"].items()))
+            out.append(
+                f"| {r['method']} | {r['bits_kv']} | {r['kl_mean']:.4f} | {r['kl_p99']:.3f} | "
+                f"{r['top1_agree']:.3f} | {r['ppl']:.3f} | {r['ppl_delta']:+.3f} | {r['bytes'] or ''} | {ratio} | {be} |"
+            )
+    out.append(
+        "\nSeconds per method (whole run): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in res["seconds"].items())
+    )
     return "\n".join(out) + "\n"
 
 
@@ -130,9 +172,16 @@ def plots(res, outdir):
     for ax, bits in zip(axes[0], groups):
         for m in dict.fromkeys(r["method"] for r in rows if group(r) == bits):
             rr = [r for r in rows if r["method"] == m]
-            ax.plot([r["context"] for r in rr], [max(r["kl_mean"], 1e-6) for r in rr], "o-", label=m)
-        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="mean KL to fp (nats)",
-               title=f"{bits}-bit codes (first side)")
+            ax.plot(
+                [r["context"] for r in rr], [max(r["kl_mean"], 1e-6) for r in rr], "o-", label=m
+            )
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="context (tokens)",
+            ylabel="mean KL to fp (nats)",
+            title=f"{bits}-bit codes (first side)",
+        )
         ax.legend(fontsize=7)
     fig.tight_layout()
     files.append(outdir / "fidelity_kl.png")
@@ -143,7 +192,12 @@ def plots(res, outdir):
         rr = [r for r in allrows if r["method"] == m and r["bytes"]]
         ax.plot([r["context"] for r in rr], [r["bytes"] / 2**20 for r in rr], "o-", label=m)
     ctx = sorted({r["context"] for r in allrows})
-    ax.plot(ctx, [allrows[0]["fp16_bytes"] * c / allrows[0]["context"] / 2**20 for c in ctx], "k--", label="fp16 KVCache")
+    ax.plot(
+        ctx,
+        [allrows[0]["fp16_bytes"] * c / allrows[0]["context"] / 2**20 for c in ctx],
+        "k--",
+        label="fp16 KVCache",
+    )
     ax.set(xlabel="context (tokens)", ylabel="KV cache MiB (measured)", title="memory vs context")
     ax.legend(fontsize=7)
     fig.tight_layout()

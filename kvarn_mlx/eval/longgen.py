@@ -59,18 +59,32 @@ WINDOWS = (0, 256, 512, 1024, 2048, 4096)
 def add_arguments(p):
     p.add_argument("--methods", default="k2v2_g128,k4v2_g128,k4v4_g128,k8v8_g128,mlxq4,mlxq8")
     p.add_argument("--steps", type=int, default=2048, help="generated tokens per prompt")
-    p.add_argument("--prompts", type=int, default=4, help=f"questions (the first N of {len(QUESTIONS)})")
+    p.add_argument(
+        "--prompts", type=int, default=4, help=f"questions (the first N of {len(QUESTIONS)})"
+    )
     p.add_argument("--chunk", type=int, default=2048, help="prompt tokens per prefill step")
-    p.add_argument("--checkpoint", default=None,
-                   help="jsonl of finished prompts: a run that stops resumes from it, and a run with the same "
-                   "settings and fewer methods reuses it (default: none)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="jsonl of finished prompts: a run that stops resumes from it, and a run with the same "
+        "settings and fewer methods reuses it (default: none)",
+    )
 
 
 def run(args, model, tokenizer, methods, meta_md):
     """(result for the json, markdown, plot drawer) of one CLI run."""
     if not 1 <= args.prompts <= len(QUESTIONS):
         raise ValueError(f"--prompts {args.prompts}: use 1 to {len(QUESTIONS)}")
-    res = longgen(model, tokenizer, methods, args.steps, args.prompts, args.chunk, args.attention, args.checkpoint)
+    res = longgen(
+        model,
+        tokenizer,
+        methods,
+        args.steps,
+        args.prompts,
+        args.chunk,
+        args.attention,
+        args.checkpoint,
+    )
     return res, markdown(res, meta_md), lambda folder: plots(res, folder)
 
 
@@ -91,11 +105,24 @@ class NoEOS:
 
 def prompt_ids(tokenizer, question):
     if getattr(tokenizer, "has_chat_template", False):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True))
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": question}], add_generation_prompt=True
+            )
+        )
     return tokenizer.encode(question)
 
 
-def longgen(model, tokenizer, methods, steps=2048, prompts=4, chunk=2048, attention_mode="dequant", checkpoint=None):
+def longgen(
+    model,
+    tokenizer,
+    methods,
+    steps=2048,
+    prompts=4,
+    chunk=2048,
+    attention_mode="dequant",
+    checkpoint=None,
+):
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(tokenizer.eos_token_id)
@@ -108,11 +135,19 @@ def longgen(model, tokenizer, methods, steps=2048, prompts=4, chunk=2048, attent
             row = json.loads(line)
             if reusable(row["settings"], settings):
                 done[row["question"]] = row
-    res = {"steps": steps, "prompts": [], "chunk": chunk, "eos_masked": sorted(eos),
-           "methods": {m: {"kl_per_prompt": [], "first_divergence": [], "agreement": []} for m in methods}}
+    res = {
+        "steps": steps,
+        "prompts": [],
+        "chunk": chunk,
+        "eos_masked": sorted(eos),
+        "methods": {
+            m: {"kl_per_prompt": [], "first_divergence": [], "agreement": []} for m in methods
+        },
+    }
     for j, question in enumerate(QUESTIONS[:prompts]):
-        row = done.get(question) or _one_prompt(run_model, model, tokenizer, question, methods, steps, chunk,
-                                                attention_mode, f"p{j}")
+        row = done.get(question) or _one_prompt(
+            run_model, model, tokenizer, question, methods, steps, chunk, attention_mode, f"p{j}"
+        )
         if checkpoint and question not in done:
             with open(checkpoint, "a") as f:
                 f.write(json.dumps({"settings": settings, **row}) + "\n")
@@ -124,23 +159,49 @@ def longgen(model, tokenizer, methods, steps=2048, prompts=4, chunk=2048, attent
             r["agreement"].append(m["agreement"])
     for r in res["methods"].values():
         r["kl"] = np.mean(r["kl_per_prompt"], axis=0)
-        r["first_divergence_median"] = float(np.median([steps if d is None else d for d in r["first_divergence"]]))
+        r["first_divergence_median"] = float(
+            np.median([steps if d is None else d for d in r["first_divergence"]])
+        )
     return res
 
 
-def _one_prompt(run_model, model, tokenizer, question, methods, steps, chunk, attention_mode, label):
+def _one_prompt(
+    run_model, model, tokenizer, question, methods, steps, chunk, attention_mode, label
+):
     """The plain cache's trajectory for one question, then every method teacher-forced on it."""
     ids = prompt_ids(tokenizer, question)
-    traj, ref_lp = _greedy(run_model, ids, mlx_cache.make_prompt_cache(model), steps, chunk, f"{label} fp")
-    row = {"question": question, "methods": {},
-           "prompt": {"question": question, "prompt_tokens": len(ids), "fp_text_start": tokenizer.decode(traj[:200]),
-                      "fp_text_end": tokenizer.decode(traj[-100:]), "fp_distinct_tokens_last_512": len(set(traj[-512:]))}}
+    traj, ref_lp = _greedy(
+        run_model, ids, mlx_cache.make_prompt_cache(model), steps, chunk, f"{label} fp"
+    )
+    row = {
+        "question": question,
+        "methods": {},
+        "prompt": {
+            "question": question,
+            "prompt_tokens": len(ids),
+            "fp_text_start": tokenizer.decode(traj[:200]),
+            "fp_text_end": tokenizer.decode(traj[-100:]),
+            "fp_distinct_tokens_last_512": len(set(traj[-512:])),
+        },
+    }
     for name in methods:
         caches = make_caches(model, name)
         ends = step_ends(caches, len(ids), steps - 1)
-        kls, first_div, agree = forced_steps(run_model, ids, for_model(caches, attention_mode), ends, traj, ref_lp,
-                                             chunk, f"{label} {name}")
-        row["methods"][name] = {"kl": kls, "first_divergence": first_div, "agreement": float(np.mean(agree))}
+        kls, first_div, agree = forced_steps(
+            run_model,
+            ids,
+            for_model(caches, attention_mode),
+            ends,
+            traj,
+            ref_lp,
+            chunk,
+            f"{label} {name}",
+        )
+        row["methods"][name] = {
+            "kl": kls,
+            "first_divergence": first_div,
+            "agreement": float(np.mean(agree)),
+        }
     return row
 
 
@@ -150,13 +211,17 @@ def step_ends(caches, start, n, size=128):
     a tile the step completed, or every token for an "auto" preset; for other caches every
     `size` tokens."""
     kv = next((c for c in caches if isinstance(c, KVarNCache)), None)
-    if kv is not None and kv.config.rotate_keys == "auto":  # a near tie may flip with the step's shape
+    if (
+        kv is not None and kv.config.rotate_keys == "auto"
+    ):  # a near tie may flip with the step's shape
         return list(range(start + 1, start + n + 1))
     if kv is None:
         ends = range(start + size, start + n, size)
     else:
         S, G = kv.config.sink_size, kv.config.group_size
-        ends = [S + k * G for k in range(1, (start + n - S) // G + 1) if start < S + k * G < start + n]
+        ends = [
+            S + k * G for k in range(1, (start + n - S) // G + 1) if start < S + k * G < start + n
+        ]
     return [*ends, start + n] if n else []
 
 
@@ -196,31 +261,42 @@ def windows(steps):
 def markdown(res, meta_md):
     steps, P = res["steps"], len(res["prompts"])
     wins = windows(steps)
-    out = [f"# Long generation ({steps} greedy tokens per prompt)\n", meta_md,
-           f"\n{P} reasoning-style questions through the chat template (prompt tokens: "
-           f"{', '.join(str(p['prompt_tokens']) for p in res['prompts'])}); the plain cache generates {steps} tokens "
-           "greedily, end-of-sequence masked out (for every cache alike) so each answer runs the whole length. Each "
-           "method reads the same tokens (teacher-forced): KL to the plain cache per step, averaged over prompts; "
-           "top-1 agreement = share of steps whose greedy token equals the plain cache's; first divergence = the "
-           "first step whose greedy token differs (the method's free-running output equals the plain cache's up to "
-           "it; 'none' = never within the steps). With sink 128 and 128-token tiles, generated tokens are quantized "
-           "once the tail fills.\n",
-           "| method | K/V bits | first divergence per prompt | median | top-1 agreement | KL mean | KL p99 | "
-           + " | ".join(f"KL steps {a}-{b}" for a, b in wins) + " |",
-           "|---|---|---|---|---|---|---|" + "---|" * len(wins)]
+    out = [
+        f"# Long generation ({steps} greedy tokens per prompt)\n",
+        meta_md,
+        f"\n{P} reasoning-style questions through the chat template (prompt tokens: "
+        f"{', '.join(str(p['prompt_tokens']) for p in res['prompts'])}); the plain cache generates {steps} tokens "
+        "greedily, end-of-sequence masked out (for every cache alike) so each answer runs the whole length. Each "
+        "method reads the same tokens (teacher-forced): KL to the plain cache per step, averaged over prompts; "
+        "top-1 agreement = share of steps whose greedy token equals the plain cache's; first divergence = the "
+        "first step whose greedy token differs (the method's free-running output equals the plain cache's up to "
+        "it; 'none' = never within the steps). With sink 128 and 128-token tiles, generated tokens are quantized "
+        "once the tail fills.\n",
+        "| method | K/V bits | first divergence per prompt | median | top-1 agreement | KL mean | KL p99 | "
+        + " | ".join(f"KL steps {a}-{b}" for a, b in wins)
+        + " |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(wins),
+    ]
     for name, r in res["methods"].items():
         kl = np.asarray(r["kl"])
         fd = ", ".join("none" if d is None else str(d) for d in r["first_divergence"])
-        out.append(f"| {name} | {method_bits(name)} | {fd} | {r['first_divergence_median']:.0f} | "
-                   f"{np.mean(r['agreement']):.3f} | {kl.mean():.4f} | {np.percentile(kl, 99):.3f} | "
-                   + " | ".join(f"{kl[a:b].mean():.4f}" for a, b in wins) + " |")
-    out.append("\nThe plain cache's answers (first 200 and last 100 tokens; distinct tokens among the last 512 "
-               "show whether it loops):\n")
+        out.append(
+            f"| {name} | {method_bits(name)} | {fd} | {r['first_divergence_median']:.0f} | "
+            f"{np.mean(r['agreement']):.3f} | {kl.mean():.4f} | {np.percentile(kl, 99):.3f} | "
+            + " | ".join(f"{kl[a:b].mean():.4f}" for a, b in wins)
+            + " |"
+        )
+    out.append(
+        "\nThe plain cache's answers (first 200 and last 100 tokens; distinct tokens among the last 512 "
+        "show whether it loops):\n"
+    )
     for p in res["prompts"]:
         start = p["fp_text_start"].replace("\n", " ")
         end = p["fp_text_end"].replace("\n", " ")
-        out.append(f"- **{p['question']}**  \n  start: {start!r}  \n  end: {end!r}  \n"
-                   f"  distinct tokens in the last 512: {p['fp_distinct_tokens_last_512']}")
+        out.append(
+            f"- **{p['question']}**  \n  start: {start!r}  \n  end: {end!r}  \n"
+            f"  distinct tokens in the last 512: {p['fp_distinct_tokens_last_512']}"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -232,11 +308,18 @@ def plots(res, outdir, smooth=64):
     k = np.ones(smooth) / smooth
     for name, r in res["methods"].items():
         y = np.convolve(r["kl"], k, mode="valid")
-        ax.plot(smooth // 2 + np.arange(len(y)), np.maximum(y, 1e-7),
-                label=f"{name} (agreement {np.mean(r['agreement']):.2f}, first divergence median "
-                      f"{r['first_divergence_median']:.0f})")
-    ax.set(xlabel="generated token", ylabel=f"KL to the plain cache (nats, {smooth}-step mean)", yscale="log",
-           title=f"long generation, teacher-forced on the plain cache's tokens ({len(res['prompts'])} prompts)")
+        ax.plot(
+            smooth // 2 + np.arange(len(y)),
+            np.maximum(y, 1e-7),
+            label=f"{name} (agreement {np.mean(r['agreement']):.2f}, first divergence median "
+            f"{r['first_divergence_median']:.0f})",
+        )
+    ax.set(
+        xlabel="generated token",
+        ylabel=f"KL to the plain cache (nats, {smooth}-step mean)",
+        yscale="log",
+        title=f"long generation, teacher-forced on the plain cache's tokens ({len(res['prompts'])} prompts)",
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     f = outdir / "longgen_kl.png"

@@ -41,7 +41,19 @@ from .baselines import AffineCache, KeysOnlyCache, OracleKeysCache, ValuesOnlyCa
 
 G = 128  # tile tokens for every tile method
 SINK = 128
-FAMILIES = ("kvarn", "kivi", "rot", "norm", "oracle", "affine", "mlxq", "konly", "vonly", "plaink", "auto")
+FAMILIES = (
+    "kvarn",
+    "kivi",
+    "rot",
+    "norm",
+    "oracle",
+    "affine",
+    "mlxq",
+    "konly",
+    "vonly",
+    "plaink",
+    "auto",
+)
 
 
 def _variant(name):
@@ -54,15 +66,19 @@ def _variant(name):
         elif re.fullmatch(r"fp16(:-?\d+)+", o):
             layers = tuple(int(i) for i in o.split(":")[1:])
         else:
-            raise ValueError(f"unknown method {name!r}: variants are +fp8 and +fp16:i:j (layers kept plain)")
+            raise ValueError(
+                f"unknown method {name!r}: variants are +fp8 and +fp16:i:j (layers kept plain)"
+            )
     return base, overrides, layers
 
 
 def _parse(name):
     m = re.fullmatch(r"([a-z]+)([248])", name)
     if not m or m.group(1) not in FAMILIES:
-        raise ValueError(f"unknown method {name!r}: use fp, a preset ({', '.join(PRESETS)}) or one of "
-                         f"{', '.join(f + '2' for f in FAMILIES)} (or ...4, ...8)")
+        raise ValueError(
+            f"unknown method {name!r}: use fp, a preset ({', '.join(PRESETS)}) or one of "
+            f"{', '.join(f + '2' for f in FAMILIES)} (or ...4, ...8)"
+        )
     return m.group(1), int(m.group(2))
 
 
@@ -119,16 +135,20 @@ def make_caches(model, name):
     n, layers = len(caches), _variant(name)[2]
     plain = {i % n for i in layers if -n <= i < n}
     if len(plain) != len(set(layers)):
-        raise ValueError(f"method {name!r}: the model has {n} layers (0..{n - 1}, or -1..-{n} from the end)")
+        raise ValueError(
+            f"method {name!r}: the model has {n} layers (0..{n - 1}, or -1..-{n} from the end)"
+        )
     for i, c in enumerate(caches):
         if type(c) is KVCache and i not in plain:
-            caches[i] = QuantizedKVCache(group_size=64, bits=_parse(name)[1]) if cfg is None else cls(cfg)
+            caches[i] = (
+                QuantizedKVCache(group_size=64, bits=_parse(name)[1]) if cfg is None else cls(cfg)
+            )
     integration.patch()
     return caches
 
 
 def method_bits(name):
-    """"K/V" code bits of a method, "fp" for a side kept in full precision."""
+    """ "K/V" code bits of a method, "fp" for a side kept in full precision."""
     if name == "fp":
         return "16/16"
     if profile_method(name):
@@ -138,7 +158,10 @@ def method_bits(name):
         b = _parse(name)[1]
         return f"{b}/{b}"
     sides = getattr(cls, "quantized_sides", ("k", "v"))
-    return "/".join(str(bits) if side in sides else "fp" for side, bits in (("k", cfg.k_bits), ("v", cfg.v_bits)))
+    return "/".join(
+        str(bits) if side in sides else "fp"
+        for side, bits in (("k", cfg.k_bits), ("v", cfg.v_bits))
+    )
 
 
 def cache_bytes(caches):
@@ -148,13 +171,19 @@ def cache_bytes(caches):
     over the quantized side), and growing_bytes: the bytes of the layers whose
     cache grows with the context (all but sliding-window layers)."""
     held = memory.cache_bytes(caches)
-    growing = memory.cache_bytes([c for c in caches if not isinstance(c, mlx_cache.RotatingKVCache)])
+    growing = memory.cache_bytes(
+        [c for c in caches if not isinstance(c, mlx_cache.RotatingKVCache)]
+    )
     qbytes = qelems = 0
     for c in caches:
         if isinstance(c, KVarNCache) and c.n_tiles:
             tiles = c.tiles.valid()
             sides = getattr(c, "quantized_sides", ("k", "v"))
-            arrays = [x for name, x in zip(("k", "k", "k", "k", "v", "v", "v", "v"), tiles.arrays()) if name in sides]
+            arrays = [
+                x
+                for name, x in zip(("k", "k", "k", "k", "v", "v", "v", "v"), tiles.arrays())
+                if name in sides
+            ]
             qbytes += sum(x.nbytes for x in arrays)
             B, H, _, D = c.sink_k.shape
             qelems += len(sides) * B * H * tiles.count * c.config.group_size * D
@@ -162,6 +191,9 @@ def cache_bytes(caches):
             qbytes += sum(x.nbytes * c.offset // x.shape[2] for x in (*c.keys, *c.values))
             B, H, _, w = c.keys[0].shape
             qelems += 2 * B * H * c.offset * w * 32 // c.bits
-    return {"bytes": held["held"] - held["unused"], "fp16_bytes": held["fp16"],
-            "growing_bytes": growing["held"] - growing["unused"],
-            "bits_per_quantized_element": 8 * qbytes / qelems if qelems else None}
+    return {
+        "bytes": held["held"] - held["unused"],
+        "fp16_bytes": held["fp16"],
+        "growing_bytes": growing["held"] - growing["unused"],
+        "bits_per_quantized_element": 8 * qbytes / qelems if qelems else None,
+    }

@@ -48,20 +48,30 @@ INTRO = {
 
 
 def add_arguments(p):
-    p.add_argument("--methods", default="mlxq4,mlxq8,k2v2_g128,k4v2_g128,k4v4_g128,k8v8_g128,auto4v2",
-                   help="methods compared with the plain cache (always run, as the reference)")
+    p.add_argument(
+        "--methods",
+        default="mlxq4,mlxq8,k2v2_g128,k4v2_g128,k4v4_g128,k8v8_g128,auto4v2",
+        help="methods compared with the plain cache (always run, as the reference)",
+    )
     p.add_argument("--tasks", default="passkey,multikey")
-    p.add_argument("--lengths", default="2048,4096,8192", help="prompt tokens (the context the answer reads)")
-    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, fractions of the haystack")
+    p.add_argument(
+        "--lengths", default="2048,4096,8192", help="prompt tokens (the context the answer reads)"
+    )
+    p.add_argument(
+        "--depths", default="0,0.25,0.5,0.75,1", help="needle depths, fractions of the haystack"
+    )
     p.add_argument("--trials", type=int, default=4, help="prompts per (task, length, depth)")
     p.add_argument("--keys", type=int, default=4, help="needles in a multikey prompt")
     p.add_argument("--digits", type=int, default=5, help="digits of a secret number")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--answer-tokens", type=int, default=8)
-    p.add_argument("--checkpoint", default=None,
-                   help="jsonl of finished prompts: a run that stops resumes from it, and a run with more "
-                        "lengths, depths or trials, or fewer methods (same other settings), reuses it (default: none)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="jsonl of finished prompts: a run that stops resumes from it, and a run with more "
+        "lengths, depths or trials, or fewer methods (same other settings), reuses it (default: none)",
+    )
 
 
 def run(args, model, tokenizer, methods, meta_md):
@@ -70,10 +80,22 @@ def run(args, model, tokenizer, methods, meta_md):
     for t in tasks:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r}: use {', '.join(TASKS)}")
-    res = retrieval(model, tokenizer, methods, tasks, [int(x) for x in args.lengths.split(",")],
-                    [float(x) for x in args.depths.split(",")], args.trials, keys=args.keys, digits=args.digits,
-                    seed=args.seed, prefill_step_size=args.prefill_step_size, answer_tokens=args.answer_tokens,
-                    attention_mode=args.attention, checkpoint=args.checkpoint)
+    res = retrieval(
+        model,
+        tokenizer,
+        methods,
+        tasks,
+        [int(x) for x in args.lengths.split(",")],
+        [float(x) for x in args.depths.split(",")],
+        args.trials,
+        keys=args.keys,
+        digits=args.digits,
+        seed=args.seed,
+        prefill_step_size=args.prefill_step_size,
+        answer_tokens=args.answer_tokens,
+        attention_mode=args.attention,
+        checkpoint=args.checkpoint,
+    )
     return res, markdown(res, meta_md), lambda folder: plots(res, folder)
 
 
@@ -86,13 +108,18 @@ def sentences():
     from pydoc_data.topics import topics
 
     text = " ".join(" ".join(topics[k] for k in sorted(topics)).split())
-    return [s for s in re.split(r"(?<=[.!?])\s+", text)
-            if 30 < len(s) < 300 and s[0].isupper() and re.fullmatch(r"[A-Za-z ,.;:'()\-]+[.!?]", s)]
+    return [
+        s
+        for s in re.split(r"(?<=[.!?])\s+", text)
+        if 30 < len(s) < 300 and s[0].isupper() and re.fullmatch(r"[A-Za-z ,.;:'()\-]+[.!?]", s)
+    ]
 
 
 def _encode(tokenizer, user, answer_start):
     if getattr(tokenizer, "has_chat_template", False):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], add_generation_prompt=True
+        )
         return list(ids) + tokenizer.encode(answer_start, add_special_tokens=False)
     return tokenizer.encode(user + "\n\n" + answer_start)
 
@@ -109,10 +136,18 @@ def make_prompt(tokenizer, task, length, depth, rng, keys=4, digits=5):
         values = [number() for _ in colors]
         secret, asked = values[0], colors[0]
         needles = [(depth, f"The secret number for {asked} is {secret}.")]
-        needles += [(rng.random(), f"The secret number for {c} is {v}.") for c, v in zip(colors[1:], values[1:])]
+        needles += [
+            (rng.random(), f"The secret number for {c} is {v}.")
+            for c, v in zip(colors[1:], values[1:])
+        ]
         intro = INTRO[task].format(n=keys)
-        question, start = f"What is the secret number for {asked}?", f"The secret number for {asked} is"
-    frame = len(_encode(tokenizer, intro + " ".join(n for _, n in needles) + "\n\n" + question, start))
+        question, start = (
+            f"What is the secret number for {asked}?",
+            f"The secret number for {asked} is",
+        )
+    frame = len(
+        _encode(tokenizer, intro + " ".join(n for _, n in needles) + "\n\n" + question, start)
+    )
     hay, n = [], 0
     pool = sentences()
     while True:
@@ -196,16 +231,50 @@ def _key(task, L, depth, trial):
     return f"{task}|{L}|{depth}|{trial}"
 
 
-def retrieval(model, tokenizer, methods, tasks, lengths, depths, trials, keys=4, digits=5, seed=0,
-              prefill_step_size=2048, answer_tokens=8, attention_mode="dequant", checkpoint=None):
+def retrieval(
+    model,
+    tokenizer,
+    methods,
+    tasks,
+    lengths,
+    depths,
+    trials,
+    keys=4,
+    digits=5,
+    seed=0,
+    prefill_step_size=2048,
+    answer_tokens=8,
+    attention_mode="dequant",
+    checkpoint=None,
+):
     methods = ["fp"] + [m for m in methods if m != "fp"]
-    settings = dict(tasks=tasks, lengths=lengths, depths=depths, trials=trials, keys=keys, digits=digits, seed=seed,
-                    prefill_step_size=prefill_step_size, answer_tokens=answer_tokens, methods=methods,
-                    attention=attention_mode)
+    settings = dict(
+        tasks=tasks,
+        lengths=lengths,
+        depths=depths,
+        trials=trials,
+        keys=keys,
+        digits=digits,
+        seed=seed,
+        prefill_step_size=prefill_step_size,
+        answer_tokens=answer_tokens,
+        methods=methods,
+        attention=attention_mode,
+    )
     # A record depends on these settings and on its own task, length, depth and trial, so a
     # checkpoint serves any run that shares them (more lengths, depths or trials, or fewer methods).
-    shared = {k: settings[k] for k in ("keys", "digits", "seed", "prefill_step_size", "answer_tokens", "methods",
-                                       "attention")}
+    shared = {
+        k: settings[k]
+        for k in (
+            "keys",
+            "digits",
+            "seed",
+            "prefill_step_size",
+            "answer_tokens",
+            "methods",
+            "attention",
+        )
+    }
     done = _load_checkpoint(checkpoint, shared)
     jobs = [(t, L, d, j) for t in tasks for L in lengths for d in depths for j in range(trials)]
     bar = Progress(len(jobs), "retrieval")
@@ -216,19 +285,43 @@ def retrieval(model, tokenizer, methods, tasks, lengths, depths, trials, keys=4,
             continue
         rng = random.Random(f"{seed}|{key}")
         ids, secret, where = make_prompt(tokenizer, task, L, depth, rng, keys, digits)
-        rec = {"task": task, "length": L, "depth": depth, "trial": j, "tokens": len(ids), "needle_at": where,
-               "secret": secret, "answers": {}}
+        rec = {
+            "task": task,
+            "length": L,
+            "depth": depth,
+            "trial": j,
+            "tokens": len(ids),
+            "needle_at": where,
+            "secret": secret,
+            "answers": {},
+        }
         first_kv = []
         for name in methods:
             caches = make_caches(model, name)
             # Exact in dequant mode only: there the first chunk attends with mlx-lm's own attention,
             # as the plain cache does (packed attention may round differently and decides
             # "auto" key rotations with the chunk's queries).
-            exact = attention_mode == "dequant" and first_kv and first_kv[0] is not None and replayable(caches)
+            exact = (
+                attention_mode == "dequant"
+                and first_kv
+                and first_kv[0] is not None
+                and replayable(caches)
+            )
             replay = first_kv[0] if exact else None
-            grab = (lambda caches=caches: first_kv.append(first_chunk_kv(caches))) if name == "fp" else None
-            out = answer(model, ids, for_model(caches, attention_mode), prefill_step_size, answer_tokens,
-                         replay, grab)
+            grab = (
+                (lambda caches=caches: first_kv.append(first_chunk_kv(caches)))
+                if name == "fp"
+                else None
+            )
+            out = answer(
+                model,
+                ids,
+                for_model(caches, attention_mode),
+                prefill_step_size,
+                answer_tokens,
+                replay,
+                grab,
+            )
             text = tokenizer.decode(out)
             rec["answers"][name] = {"text": text, "right": first_number(text) == secret}
         done[key] = rec
@@ -237,7 +330,11 @@ def retrieval(model, tokenizer, methods, tasks, lengths, depths, trials, keys=4,
                 f.write(json.dumps({"settings": shared, "record": rec}) + "\n")
         bar.step()
     records = [done[_key(*job)] for job in jobs]
-    return {**settings, "records": records, "summary": summarize(records, methods, tasks, lengths, depths)}
+    return {
+        **settings,
+        "records": records,
+        "summary": summarize(records, methods, tasks, lengths, depths),
+    }
 
 
 def _load_checkpoint(path, shared):
@@ -278,16 +375,37 @@ def summarize(records, methods, tasks, lengths, depths):
         for m in methods:
             right = [r["answers"][m]["right"] for r in rows]
             k, n = sum(right), len(right)
-            cells = {f"{d}|{L}": [sum(r["answers"][m]["right"] for r in rows if r["depth"] == d and r["length"] == L),
-                                  sum(1 for r in rows if r["depth"] == d and r["length"] == L)]
-                     for d in depths for L in lengths}
-            per_length = {str(L): [sum(r["answers"][m]["right"] for r in rows if r["length"] == L),
-                                   sum(1 for r in rows if r["length"] == L)] for L in lengths}
+            cells = {
+                f"{d}|{L}": [
+                    sum(
+                        r["answers"][m]["right"]
+                        for r in rows
+                        if r["depth"] == d and r["length"] == L
+                    ),
+                    sum(1 for r in rows if r["depth"] == d and r["length"] == L),
+                ]
+                for d in depths
+                for L in lengths
+            }
+            per_length = {
+                str(L): [
+                    sum(r["answers"][m]["right"] for r in rows if r["length"] == L),
+                    sum(1 for r in rows if r["length"] == L),
+                ]
+                for L in lengths
+            }
             lost = sum(r["answers"]["fp"]["right"] and not r["answers"][m]["right"] for r in rows)
             gained = sum(r["answers"][m]["right"] and not r["answers"]["fp"]["right"] for r in rows)
-            out[task][m] = {"right": k, "trials": n, "accuracy": k / n if n else float("nan"),
-                            "wilson95": wilson(k, n), "per_length": per_length, "cells": cells,
-                            "lost_vs_fp": lost, "gained_vs_fp": gained}
+            out[task][m] = {
+                "right": k,
+                "trials": n,
+                "accuracy": k / n if n else float("nan"),
+                "wilson95": wilson(k, n),
+                "per_length": per_length,
+                "cells": cells,
+                "lost_vs_fp": lost,
+                "gained_vs_fp": gained,
+            }
         fp_low, fp_high = out[task]["fp"]["wilson95"]
         for m in methods:
             out[task][m]["within_fp_interval"] = fp_low <= out[task][m]["accuracy"] <= fp_high
@@ -299,40 +417,60 @@ def summarize(records, methods, tasks, lengths, depths):
 
 def markdown(res, meta_md):
     lengths, s = res["lengths"], res["summary"]
-    mean_tokens = {L: np.mean([r["tokens"] for r in res["records"] if r["length"] == L]) for L in lengths}
-    out = ["# Retrieval (passkey, multi-key needle in a haystack)\n", meta_md,
-           f"\nPrompts of about {', '.join(str(L) for L in lengths)} tokens (mean "
-           f"{', '.join(f'{mean_tokens[L]:.0f}' for L in lengths)}), needle depths "
-           f"{', '.join(f'{d:.0%}' for d in res['depths'])} of the haystack, {res['trials']} prompts per "
-           f"(task, length, depth), seed {res['seed']}; the same prompts for every method. Secret numbers of "
-           f"{res['digits']} digits; multikey: {res['keys']} needles, one asked. Greedy answer of "
-           f"{res['answer_tokens']} tokens after the primed answer start; right = its first number is the secret. "
-           f"Prefill in chunks of {res['prefill_step_size']} as mlx-lm's generate_step. Interval: 95% Wilson. "
-           "'lost' = prompts the plain cache (fp) answered right and the method did not; 'gained' = the reverse.\n"]
+    mean_tokens = {
+        L: np.mean([r["tokens"] for r in res["records"] if r["length"] == L]) for L in lengths
+    }
+    out = [
+        "# Retrieval (passkey, multi-key needle in a haystack)\n",
+        meta_md,
+        f"\nPrompts of about {', '.join(str(L) for L in lengths)} tokens (mean "
+        f"{', '.join(f'{mean_tokens[L]:.0f}' for L in lengths)}), needle depths "
+        f"{', '.join(f'{d:.0%}' for d in res['depths'])} of the haystack, {res['trials']} prompts per "
+        f"(task, length, depth), seed {res['seed']}; the same prompts for every method. Secret numbers of "
+        f"{res['digits']} digits; multikey: {res['keys']} needles, one asked. Greedy answer of "
+        f"{res['answer_tokens']} tokens after the primed answer start; right = its first number is the secret. "
+        f"Prefill in chunks of {res['prefill_step_size']} as mlx-lm's generate_step. Interval: 95% Wilson. "
+        "'lost' = prompts the plain cache (fp) answered right and the method did not; 'gained' = the reverse.\n",
+    ]
     for task in res["tasks"]:
-        out += [f"\n## {task}\n",
-                "| method | K/V bits | right / trials | accuracy | 95% interval | "
-                + " | ".join(f"{L} tokens" for L in lengths) + " | lost | gained | within fp's interval |",
-                "|---|---|---|---|---|" + "---|" * len(lengths) + "---|---|---|"]
+        out += [
+            f"\n## {task}\n",
+            "| method | K/V bits | right / trials | accuracy | 95% interval | "
+            + " | ".join(f"{L} tokens" for L in lengths)
+            + " | lost | gained | within fp's interval |",
+            "|---|---|---|---|---|" + "---|" * len(lengths) + "---|---|---|",
+        ]
         for m, r in s[task].items():
             lo, hi = r["wilson95"]
             per = " | ".join(f"{k}/{n}" for k, n in (r["per_length"][str(L)] for L in lengths))
-            out.append(f"| {m} | {method_bits(m)} | {r['right']}/{r['trials']} | {r['accuracy']:.3f} | "
-                       f"[{lo:.3f}, {hi:.3f}] | {per} | {r['lost_vs_fp']} | {r['gained_vs_fp']} | "
-                       f"{'yes' if r['within_fp_interval'] else 'NO'} |")
+            out.append(
+                f"| {m} | {method_bits(m)} | {r['right']}/{r['trials']} | {r['accuracy']:.3f} | "
+                f"[{lo:.3f}, {hi:.3f}] | {per} | {r['lost_vs_fp']} | {r['gained_vs_fp']} | "
+                f"{'yes' if r['within_fp_interval'] else 'NO'} |"
+            )
     methods = list(next(iter(s.values())))
     wrong = [r for r in res["records"] if not all(a["right"] for a in r["answers"].values())]
     if wrong:
-        out += [f"\nPrompts some method got wrong ({len(wrong)} of {len(res['records'])}; the first 60), each "
-                "method's answer where it was wrong:\n",
-                "| task | length | depth | trial | secret | " + " | ".join(methods) + " |",
-                "|---|---|---|---|---|" + "---|" * len(methods)]
+        out += [
+            f"\nPrompts some method got wrong ({len(wrong)} of {len(res['records'])}; the first 60), each "
+            "method's answer where it was wrong:\n",
+            "| task | length | depth | trial | secret | " + " | ".join(methods) + " |",
+            "|---|---|---|---|---|" + "---|" * len(methods),
+        ]
         for r in wrong[:60]:
-            cells = ["right" if r["answers"][m]["right"]
-                     else "`" + r["answers"][m]["text"].replace("|", "\\|").replace("\n", " ").strip() + "`"
-                     for m in methods]
-            out.append(f"| {r['task']} | {r['length']} | {r['depth']:.0%} | {r['trial']} | {r['secret']} | "
-                       + " | ".join(cells) + " |")
+            cells = [
+                "right"
+                if r["answers"][m]["right"]
+                else "`"
+                + r["answers"][m]["text"].replace("|", "\\|").replace("\n", " ").strip()
+                + "`"
+                for m in methods
+            ]
+            out.append(
+                f"| {r['task']} | {r['length']} | {r['depth']:.0%} | {r['trial']} | {r['secret']} | "
+                + " | ".join(cells)
+                + " |"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -347,13 +485,25 @@ def plots(res, outdir):
         methods = list(res["summary"][task])
         cols = min(4, len(methods))
         rows = math.ceil(len(methods) / cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(2.2 + max(1.6, 1.1 * len(lengths)) * cols,
-                                                      1.2 + max(1.8, 0.45 * len(depths)) * rows), squeeze=False)
-        for ax in axes.flat[len(methods):]:
+        fig, axes = plt.subplots(
+            rows,
+            cols,
+            figsize=(
+                2.2 + max(1.6, 1.1 * len(lengths)) * cols,
+                1.2 + max(1.8, 0.45 * len(depths)) * rows,
+            ),
+            squeeze=False,
+        )
+        for ax in axes.flat[len(methods) :]:
             ax.axis("off")
         for pos, (ax, m) in enumerate(zip(axes.flat, methods)):
             cells = res["summary"][task][m]["cells"]
-            acc = np.array([[cells[f"{d}|{L}"][0] / max(cells[f"{d}|{L}"][1], 1) for L in lengths] for d in depths])
+            acc = np.array(
+                [
+                    [cells[f"{d}|{L}"][0] / max(cells[f"{d}|{L}"][1], 1) for L in lengths]
+                    for d in depths
+                ]
+            )
             im = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
             for i, d in enumerate(depths):
                 for j, L in enumerate(lengths):
@@ -361,15 +511,20 @@ def plots(res, outdir):
                     ax.text(j, i, f"{k}/{n}", ha="center", va="center", fontsize=7)
             r = res["summary"][task][m]
             ax.set_title(f"{m}: {r['right']}/{r['trials']}", fontsize=9)
-            ax.set_xticks(range(len(lengths)), [f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in lengths],
-                          fontsize=7)
+            ax.set_xticks(
+                range(len(lengths)),
+                [f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in lengths],
+                fontsize=7,
+            )
             ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
             if pos + cols >= len(methods):  # the bottom panel of its column
                 ax.set_xlabel("context (tokens)", fontsize=7)
             if pos % cols == 0:
                 ax.set_ylabel("needle depth", fontsize=7)
         fig.colorbar(im, ax=axes, shrink=0.6, label="accuracy")
-        fig.suptitle(f"{task} retrieval: right / trials per needle depth and context length", fontsize=10)
+        fig.suptitle(
+            f"{task} retrieval: right / trials per needle depth and context length", fontsize=10
+        )
         f = outdir / f"retrieval_{task}.png"
         fig.savefig(f, dpi=110, bbox_inches="tight")
         plt.close(fig)

@@ -34,22 +34,33 @@ class Progress:
         f = int(w * self.n / max(self.total, 1))
         dt = time.time() - self.t0
         eta = dt / self.n * (self.total - self.n) if self.n else 0
-        sys.stderr.write(f"\r{self.label:<14} [{'#' * f}{'.' * (w - f)}] {self.n}/{self.total} {dt:5.0f}s eta {eta:4.0f}s")
+        sys.stderr.write(
+            f"\r{self.label:<14} [{'#' * f}{'.' * (w - f)}] {self.n}/{self.total} {dt:5.0f}s eta {eta:4.0f}s"
+        )
         if self.n >= self.total:
             sys.stderr.write("\n")
         sys.stderr.flush()
 
 
 def load_text(source):
-    """"topics" (CPython's pydoc_data/topics.py), "licenses" (/usr/share/common-licenses, Debian) or a file."""
+    """ "topics" (CPython's pydoc_data/topics.py), "licenses" (/usr/share/common-licenses, Debian) or a file."""
     if source == "topics":
         import pydoc_data.topics
+
         return Path(pydoc_data.topics.__file__).read_text()
     if source == "licenses":
-        files = sorted({os.path.realpath(p) for p in glob.glob("/usr/share/common-licenses/*") if os.path.isfile(p)})
+        files = sorted(
+            {
+                os.path.realpath(p)
+                for p in glob.glob("/usr/share/common-licenses/*")
+                if os.path.isfile(p)
+            }
+        )
         if not files:
-            raise ValueError("text 'licenses' reads /usr/share/common-licenses, which is not on this system; "
-                             "use --text topics or a file")
+            raise ValueError(
+                "text 'licenses' reads /usr/share/common-licenses, which is not on this system; "
+                "use --text topics or a file"
+            )
         return "\n\n".join(Path(p).read_text(errors="replace") for p in files)
     return Path(source).read_text()
 
@@ -92,8 +103,15 @@ def metadata(model_name, command=None):
     import mlx_lm
 
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent).stdout.strip() or None
+        rev = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         rev = None
     mem = None
@@ -105,25 +123,39 @@ def metadata(model_name, command=None):
     return {
         "model": model_name,
         "command": command,
-        "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "numpy": np.__version__,
-                     "python": platform.python_version(), "kvarn_mlx_git": rev},
-        "machine": {"system": platform.platform(), "processor": platform.machine(), "cpus": os.cpu_count(),
-                    "memory_gib": mem, "device": str(mx.default_device())},
+        "versions": {
+            "mlx": mx.__version__,
+            "mlx_lm": mlx_lm.__version__,
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+            "kvarn_mlx_git": rev,
+        },
+        "machine": {
+            "system": platform.platform(),
+            "processor": platform.machine(),
+            "cpus": os.cpu_count(),
+            "memory_gib": mem,
+            "device": str(mx.default_device()),
+        },
         "openblas_preloaded": blas,
         "ld_preload": os.environ.get("LD_PRELOAD"),
         # OpenBLAS's idle threads spin (OPENBLAS_THREAD_TIMEOUT) on the cores other CPU streams use
-        "blas_env": {k: v for k, v in os.environ.items() if k.startswith(("OPENBLAS_", "OMP_NUM_THREADS"))},
+        "blas_env": {
+            k: v for k, v in os.environ.items() if k.startswith(("OPENBLAS_", "OMP_NUM_THREADS"))
+        },
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
 
 def meta_markdown(meta):
     v, m = meta["versions"], meta["machine"]
-    return (f"Model: {meta['model']}  \nCommand: `{meta['command']}`  \n"
-            f"mlx {v['mlx']}, mlx-lm {v['mlx_lm']}, numpy {v['numpy']}, python {v['python']}, "
-            f"kvarn_mlx {v['kvarn_mlx_git']}  \nMachine: {m['system']}, {m['cpus']} cpus, "
-            f"{m['memory_gib']} GiB, {m['device']}; OpenBLAS preloaded: "
-            f"{meta['openblas_preloaded']}{_blas_env(meta)}  \nDate: {meta['date']}\n")
+    return (
+        f"Model: {meta['model']}  \nCommand: `{meta['command']}`  \n"
+        f"mlx {v['mlx']}, mlx-lm {v['mlx_lm']}, numpy {v['numpy']}, python {v['python']}, "
+        f"kvarn_mlx {v['kvarn_mlx_git']}  \nMachine: {m['system']}, {m['cpus']} cpus, "
+        f"{m['memory_gib']} GiB, {m['device']}; OpenBLAS preloaded: "
+        f"{meta['openblas_preloaded']}{_blas_env(meta)}  \nDate: {meta['date']}\n"
+    )
 
 
 def _blas_env(meta):
@@ -135,8 +167,10 @@ def pyplot():
     """matplotlib.pyplot with the Agg backend, or None (one line on stderr) if not installed."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         return plt
     except ImportError:
         print("matplotlib not installed: no plots (pip install matplotlib)", file=sys.stderr)
@@ -174,7 +208,9 @@ def write_results(out, stem, tag, meta, result, markdown, draw):
         shutil.rmtree(scratch, ignore_errors=True)
     markdown += "\n" + "\n".join(f"![{g}]({g})" for g in plots) + "\n"
     (out / f"{stem}{tag}.md").write_text(markdown)
-    (out / f"{stem}{tag}.json").write_text(json.dumps(jsonable({"meta": meta, "result": result, "plots": plots}), indent=1))
+    (out / f"{stem}{tag}.json").write_text(
+        json.dumps(jsonable({"meta": meta, "result": result, "plots": plots}), indent=1)
+    )
     print(markdown)
     print(f"wrote {out / (stem + tag)}.md, .json and {len(plots)} plot(s)", file=sys.stderr)
 
@@ -224,8 +260,12 @@ def for_model(caches, mode):
         raise ValueError(f"attention mode {mode!r}: use one of {ATTENTION_MODES}")
     if mode == "packed":
         return caches
-    return [Dequantized(c) if isinstance(c, (KVarNCache, QuantizedKVCache)) and not needs_queries(c) else c
-            for c in caches]
+    return [
+        Dequantized(c)
+        if isinstance(c, (KVarNCache, QuantizedKVCache)) and not needs_queries(c)
+        else c
+        for c in caches
+    ]
 
 
 def needs_queries(cache):
@@ -237,6 +277,8 @@ def needs_queries(cache):
 def reusable(saved, wanted):
     """Whether a checkpoint row made with settings `saved` serves a run with settings
     `wanted`: the same settings apart from "methods", of which it holds every wanted one."""
+
     def rest(settings):
         return {k: v for k, v in settings.items() if k != "methods"}
+
     return rest(saved) == rest(wanted) and set(wanted["methods"]) <= set(saved["methods"])
