@@ -14,7 +14,7 @@ attention path: packed attention for KVarN, mlx-lm's quantized attention for
 QuantizedKVCache. The share of decode time spent quantizing tiles: the time
 of the update that commits one tile in every layer (K/V projections and
 attention not included), through the caches' own path (one dispatch.quantize
-call for all layers, commits.py; the Metal kernel where there is one), spread
+call for all layers, waiting_tiles.py; the Metal kernel where there is one), spread
 over the G decode steps that fill it, against the measured decode step. CPU
 caveat: MLX's CPU quantized matmul is slow and single-threaded while float32
 matmul runs on OpenBLAS, so these ratios say nothing about Apple silicon, where
@@ -99,7 +99,7 @@ def tile_overhead(n_layers, H, D, cfg, reps=5):
     """Seconds of the update that commits a tile in every layer (what decode pays
     every G tokens; the whole update, so a bound from above): the caches' own
     path, where the tiles a step leaves waiting are quantized together at the
-    next update (kvarn_mlx/commits.py); and the same without normalization
+    next update (kvarn_mlx/waiting_tiles.py); and the same without normalization
     iterations."""
 
     def once(c):
@@ -132,7 +132,7 @@ def tile_overhead(n_layers, H, D, cfg, reps=5):
 
 def per_layer_calls(n_layers, H, D, cfg, reps=5):
     """The same quantization as one dispatch.quantize call per layer in one graph
-    (how a decode step committed its layers' tiles before commits.py): the
+    (how a decode step committed its layers' tiles before waiting_tiles.py): the
     baseline of the one-call commit, in the same run."""
     x = mx.random.normal((1, H, 1, cfg.group_size, D))
     mx.eval(x)
@@ -189,7 +189,7 @@ def render(data):
         "Time of the cache updates that quantize one tile in every layer (rotation + "
         "normalization + RTN + packing, K and V; the whole update, so a bound from above), "
         "through the caches' own path (all layers' waiting tiles in one call, "
-        f"kvarn_mlx/commits.py; dispatch.quantize: {data.get('quantize_path', 'MLX ops')}), "
+        f"kvarn_mlx/waiting_tiles.py; dispatch.quantize: {data.get('quantize_path', 'MLX ops')}), "
         "spread over the G decode steps that fill it, as a fraction of the measured decode "
         "step time at that context. "
         "The paper reports 0.18% for the 8 normalization iterations on GPU.\n",

@@ -32,7 +32,7 @@ evaluated arrays, as on a Mac.
 Caches are filled with random K/V (as benchmarks/decode_speed.py does) to
 context - warmup - 1 tokens, so that at a context of sink + n tiles the first
 measured step completes a tile in every layer and the following steps commit
-them (commits.py: PER_STEP caches a step): the steps that quantize tiles are
+them (waiting_tiles.py: PER_STEP caches a step): the steps that quantize tiles are
 reported apart from the others, by the heaviest of them. Methods step round-robin, one step each in
 turn, so load from other processes hits them alike.
 """
@@ -52,7 +52,7 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvarn_mlx import commits, dispatch  # noqa: E402
+from kvarn_mlx import dispatch, waiting_tiles  # noqa: E402
 from kvarn_mlx.batch_cache import BatchKVarNCache  # noqa: E402
 from kvarn_mlx.cache import KVarNCache  # noqa: E402
 from kvarn_mlx.eval.runner import meta_markdown, metadata  # noqa: E402
@@ -193,21 +193,21 @@ def n_tiles(caches):
 def run(model, methods, ctx, steps, count=True, rows=0):
     """Per method: [(primitives, Counter, build seconds, committed)] of each measured step."""
     all_caches = [make_filled(model, m, ctx, rows) for m in methods]
-    commits._local.waiting = []
+    waiting_tiles._local.waiting = []
     toks = [mx.array([[1]] * max(rows, 1)) for _ in methods]
     out = [[] for _ in methods]
-    # Each method's tiles waiting for a commit (commits.py, per thread): kept
+    # Each method's tiles waiting for a commit (waiting_tiles.py, per thread): kept
     # apart, or one method's commit would quantize another's tiles too.
     waiting = [[] for _ in methods]
     for i in range(WARMUP + steps):
         for j, caches in enumerate(all_caches):
             before = n_tiles(caches)
-            commits._local.waiting = waiting[j]
+            waiting_tiles._local.waiting = waiting[j]
             t0 = time.perf_counter()
             y = model(toks[j], cache=caches)
             toks[j] = mx.argmax(y[:, -1:], axis=-1)
             built = time.perf_counter() - t0
-            waiting[j] = commits._local.waiting
+            waiting[j] = waiting_tiles._local.waiting
             n, names = primitives(toks[j]) if count else (0, Counter())
             mx.eval(toks[j])
             if i >= WARMUP:

@@ -38,7 +38,7 @@ def attend_view(queries, view: StepView, scale, mask=None, sinks=None):
     """Chunks of many queries (or no tile yet) through the dequantized buffer
     (prefill.py); else the Metal kernel where it runs and supports this step,
     else the MLX ops path."""
-    if view.later is not None and mask == "causal":
+    if view.after_tile is not None and mask == "causal":
         return _split_step(queries, view, scale, sinks)
     if prefill.use_dequantized(queries, view):
         return prefill.attend_dequantized(queries, view, scale, mask, sinks)
@@ -52,19 +52,22 @@ def attend_view(queries, view: StepView, scale, mask=None, sinks=None):
 
 
 def _split_step(queries, view, scale, sinks):
-    """A short step that completed a tile: rows before view.split read its tokens
-    in full precision, the later rows read it quantized (view.later). Each row
+    """A short step that completed a tile: rows before view.after_tile_row read its tokens
+    in full precision, the later rows read it quantized (view.after_tile). Each row
     then sees what it would have seen decoding one token at a time."""
-    L, a = queries.shape[2], view.split
+    L, a = queries.shape[2], view.after_tile_row
     n = L - a  # the later rows' tokens, which the first rows do not see
     first = replace(
-        view, recent_k=view.recent_k[..., :-n, :], recent_v=view.recent_v[..., :-n, :], later=None
+        view,
+        recent_k=view.recent_k[..., :-n, :],
+        recent_v=view.recent_v[..., :-n, :],
+        after_tile=None,
     )
     causal = lambda rows: "causal" if rows > 1 else None
     return mx.concatenate(
         [
             attend_view(queries[:, :, :a], first, scale, causal(a), sinks),
-            attend_view(queries[:, :, a:], view.later, scale, causal(n), sinks),
+            attend_view(queries[:, :, a:], view.after_tile, scale, causal(n), sinks),
         ],
         axis=2,
     )

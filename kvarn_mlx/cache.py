@@ -15,7 +15,7 @@ import weakref
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
-from . import commits, dispatch, quant, rotation
+from . import dispatch, quant, rotation, waiting_tiles
 from .config import DEFAULT_PRESET, KVarNConfig, get_preset
 from .mlx_lm_private import BaseCache
 from .tiles import ARRAYS, StepView, Tiles, append, derived, keep_derived
@@ -91,12 +91,13 @@ class KVarNCache(BaseCache):
         self.rotate_k = self.rotate_v = None
         self.key_candidates = None  # "auto": both key variants of the first tiles, until decided
         self.decide_row = None  # the query row that decides them (None: every row of the step)
-        # A short step's tile quantized into the storage's room: "tile", or "first" if
-        # its queries also chose the "auto" key rotation; committed at the next update.
-        self.provisional = None
-        # (commits.stamp, Tiles): the waiting tiles, quantized in another cache's commit.
+        # A short step's completed tile, quantized ahead into the storage's room:
+        # "quantized", or "chose_rotation" if its queries also chose the "auto" key
+        # rotation; committed (counted) at the next update, dropped by a trim into it.
+        self.room_tile = None
+        # (waiting_tiles.stamp, Tiles): the waiting tiles, quantized in another cache's commit.
         self.batched = None
-        # The update at which waiting tiles are committed (commits.register, due):
+        # The update at which waiting tiles are committed (waiting_tiles.register, due):
         # after `commit_turn` updates; `waited` counts them.
         self.commit_turn, self.waited = None, 0
         self.n_sink = self.n_tail = 0
@@ -173,10 +174,10 @@ class KVarNCache(BaseCache):
             self._new_tail(rk[..., m * G :, :], rv[..., m * G :, :])
         step = self._view(n_seen, rk, rv)
         if short and self.n_tail > G > self.n_tail - L:  # this step completed a tile
-            step.split = L - (self.n_tail - G)
-            step.later = self._later_view(n_seen, step.split)
-        if short and self.n_tail >= G and not self.provisional:
-            commits.register(self)  # quantized at the next update, with the other layers'
+            step.after_tile_row = L - (self.n_tail - G)
+            step.after_tile = self._after_tile_view(n_seen, step.after_tile_row)
+        if short and self.n_tail >= G and not self.room_tile:
+            waiting_tiles.register(self)  # quantized at the next update, with the other layers'
         keys, values = self.dequantized(step)
         # The step's full-precision tokens serve this step only: the view lives
         # exactly as long as the returned arrays (which hold those tokens anyway).
@@ -229,23 +230,23 @@ class KVarNCache(BaseCache):
 
     def _commit(self, short, L=0):
         """Quantize the whole tiles waiting in the tail (left by a short step); a
-        provisional one is already quantized. A short step (L tokens) before the
-        cache's turn (commits.due) leaves them waiting, as long as the tail stays
-        under two tiles. As in one-token decoding, a short step's first query
+        tile quantized ahead into the room (room_tile) is only counted. A short
+        step (L tokens) before the cache's turn (waiting_tiles.due) leaves them
+        waiting, as long as the tail stays under two tiles. As in one-token decoding, a short step's first query
         row chooses the "auto" key rotation of tiles made here."""
         G = self.config.group_size
         m = self.n_tail // G
         if m == 0:
             return
-        if short and not self.provisional and self.n_tail + L < 2 * G and not commits.due(self):
+        if short and not self.room_tile and self.n_tail + L < 2 * G and not waiting_tiles.due(self):
             self.waited += 1
             return
         self.commit_turn = None
         k, v = self.tail_k[..., : self.n_tail, :], self.tail_v[..., : self.n_tail, :]
-        if self.provisional:
+        if self.room_tile:
             self.tiles.count += 1
-            m, self.provisional = 1, None
-        elif (new := commits.take(self)) is not None:
+            m, self.room_tile = 1, None
+        elif (new := waiting_tiles.take(self)) is not None:
             self.tiles = append(self.tiles, new, self.step_tiles)
         else:
             B, H, _, D = k.shape
@@ -256,7 +257,7 @@ class KVarNCache(BaseCache):
                 self.decide_row = 0
         self._new_tail(k[..., m * G :, :], v[..., m * G :, :])
 
-    def _later_view(self, n_seen, row):
+    def _after_tile_view(self, n_seen, row):
         """The view of a short step's query rows from `row` on, which follow the
         tile it completed: that tile quantized into the storage's room (committed
         at the next update unless a trim cuts into it), the tokens after it in
@@ -268,15 +269,15 @@ class KVarNCache(BaseCache):
             self.tail_v[..., :G, :].reshape(B, H, 1, G, D),
         )
         self.tiles.count = n_seen
-        self.provisional = "tile"
+        self.room_tile = "quantized"
         if self.key_candidates is not None:
-            self.decide_row, self.provisional = row, "first"
+            self.decide_row, self.room_tile = row, "chose_rotation"
         return self._view(
             n_seen + 1, self.tail_k[..., G : self.n_tail, :], self.tail_v[..., G : self.n_tail, :]
         )
 
     def commit_key(self):
-        """Caches with equal keys quantize their waiting tiles in one call (commits.py);
+        """Caches with equal keys quantize their waiting tiles in one call (waiting_tiles.py);
         None: this one quantizes alone (the first tiles of an "auto" preset keep both
         key variants; a subclass may quantize another way)."""
         c = self.config
@@ -327,7 +328,7 @@ class KVarNCache(BaseCache):
         # The live step may read these tiles (a short step's, made at its start or
         # for its later rows): it reads them with the choice.
         step = None if self._step is None else self._step()
-        for view in (step, step and step.later):
+        for view in (step, step and step.after_tile):
             if view is not None:
                 view.rotate_k = keep
         return keep
@@ -442,12 +443,14 @@ class KVarNCache(BaseCache):
         keep = self.offset - n
         self.batched, self.commit_turn = None, None
         S, G = self.config.sink_size, self.config.group_size
-        # A provisional tile needs its tokens, and a "first" one the token whose
-        # query chose the key rotation (else the next tile's first query chooses).
-        if self.provisional and keep < S + (self.n_tiles + 1) * G + (self.provisional == "first"):
-            if self.provisional == "first":
+        # A room tile needs its tokens, and one that chose the rotation the token whose
+        # query chose it (else the next tile's first query chooses).
+        if self.room_tile and keep < S + (self.n_tiles + 1) * G + (
+            self.room_tile == "chose_rotation"
+        ):
+            if self.room_tile == "chose_rotation":
                 self.rotate_k = True
-            self.provisional = None
+            self.room_tile = None
         if keep <= S:
             self.n_sink, self.n_tail = keep, 0
             self.sink_k, self.sink_v = self.sink_k[..., :keep, :], self.sink_v[..., :keep, :]

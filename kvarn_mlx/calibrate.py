@@ -81,7 +81,12 @@ class OneSideCache(KVarNCache):
         else:
             k = self.exact[..., :n, :]
         return replace(
-            s, tiles=None, n_tiles=0, recent_k=k[..., S:, :], recent_v=v[..., S:, :], later=None
+            s,
+            tiles=None,
+            n_tiles=0,
+            recent_k=k[..., S:, :],
+            recent_v=v[..., S:, :],
+            after_tile=None,
         )
 
 

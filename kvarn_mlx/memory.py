@@ -148,7 +148,7 @@ def kv_dtype(cache):
     return None
 
 
-def panel(cache) -> dict:
+def sequence_summary(cache) -> dict:
     """cache_bytes (tokens: the sequence's, the most any layer holds) plus what a memory
     panel says before the first tile: the dtype full-precision tokens are held in (the plain
     cache's) and saving_from, the token from which the first KVarN layer holds less than the

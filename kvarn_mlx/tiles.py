@@ -185,7 +185,7 @@ class StepView:
     v_bits: int
     rotate_k: bool | mx.array = True
     rotate_v: bool = True
-    # A short step that completed a tile: its query rows from `split` on read
-    # `later` (that tile quantized, as one-token decoding would see it).
-    split: int = 0
-    later: "StepView | None" = None
+    # A short step that completed a tile: its query rows from `after_tile_row` on read
+    # `after_tile` (that tile quantized, as one-token decoding would see it).
+    after_tile_row: int = 0
+    after_tile: "StepView | None" = None

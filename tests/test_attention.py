@@ -70,18 +70,20 @@ def reference_output(cache, q, scale, causal=True, view=None):
     """reference.attention per (batch row, kv head), assembled to [B, Hq, L, D].
     A short step that completed a tile: its rows after the tile read it quantized."""
     view = cache.step_view() if view is None else view
-    if view.later is not None and causal:
-        n = q.shape[2] - view.split
+    if view.after_tile is not None and causal:
+        n = q.shape[2] - view.after_tile_row
         first = replace(
             view,
             recent_k=view.recent_k[..., :-n, :],
             recent_v=view.recent_v[..., :-n, :],
-            later=None,
+            after_tile=None,
         )
         return np.concatenate(
             [
-                reference_output(cache, q[:, :, : view.split], scale, True, first),
-                reference_output(cache, q[:, :, view.split :], scale, True, view.later),
+                reference_output(cache, q[:, :, : view.after_tile_row], scale, True, first),
+                reference_output(
+                    cache, q[:, :, view.after_tile_row :], scale, True, view.after_tile
+                ),
             ],
             axis=2,
         )

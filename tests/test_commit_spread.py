@@ -1,11 +1,11 @@
 """The tiles a decode step completes are quantized over the following steps, a
-few caches at a time (kvarn_mlx/commits.py, PER_STEP), not all layers in one
+few caches at a time (kvarn_mlx/waiting_tiles.py, PER_STEP), not all layers in one
 step; what each cache stores is what it stores quantizing alone."""
 
 import mlx.core as mx
 import numpy as np
 
-from kvarn_mlx import commits, dispatch
+from kvarn_mlx import dispatch, waiting_tiles
 from kvarn_mlx.cache import KVarNCache
 from kvarn_mlx.config import KVarNConfig
 from kvarn_mlx.tiles import ARRAYS
@@ -34,7 +34,7 @@ def step(caches, t):
 
 
 def test_the_commit_is_spread_over_steps(monkeypatch):
-    n = 2 * commits.PER_STEP + 3  # three steps' worth of caches
+    n = 2 * waiting_tiles.PER_STEP + 3  # three steps' worth of caches
     calls = []
     quantize = dispatch.quantize
     monkeypatch.setattr(
@@ -52,7 +52,7 @@ def test_the_commit_is_spread_over_steps(monkeypatch):
         for c, (k, _) in zip(caches, fetched):
             assert k.shape[2] == c.offset == S + G + t
             assert c.n_tail == c.offset - S - c.n_tiles * G <= 2 * G
-    per = commits.PER_STEP
+    per = waiting_tiles.PER_STEP
     assert calls == [2 * per, 2 * per, 2 * 3]  # kv heads of PER_STEP caches per step, side by side
     assert tiles[0] == [1] * per + [0] * (n - per)
     assert tiles[1] == [1] * 2 * per + [0] * 3
@@ -60,7 +60,7 @@ def test_the_commit_is_spread_over_steps(monkeypatch):
 
 
 def test_spread_commits_store_what_caches_store_alone(monkeypatch):
-    n = 2 * commits.PER_STEP + 3
+    n = 2 * waiting_tiles.PER_STEP + 3
 
     def run():
         caches = [KVarNCache(CFG) for _ in range(n)]
@@ -71,8 +71,8 @@ def test_spread_commits_store_what_caches_store_alone(monkeypatch):
 
     spread = run()
     with monkeypatch.context() as m:
-        m.setattr(commits, "take", lambda cache: None)
-        m.setattr(commits, "due", lambda cache: True)
+        m.setattr(waiting_tiles, "take", lambda cache: None)
+        m.setattr(waiting_tiles, "due", lambda cache: True)
         alone = run()
     for a, b in zip(spread, alone):
         assert a.n_tiles == b.n_tiles == 4 and (a.offset, a.n_tail) == (b.offset, b.n_tail)
@@ -81,7 +81,7 @@ def test_spread_commits_store_what_caches_store_alone(monkeypatch):
 
 
 def test_a_long_step_commits_a_waiting_tile_at_once():
-    caches = [KVarNCache(CFG) for _ in range(2 * commits.PER_STEP)]
+    caches = [KVarNCache(CFG) for _ in range(2 * waiting_tiles.PER_STEP)]
     prompt(caches)
     step(caches, 0)
     step(caches, 1)  # the first PER_STEP caches commit; the others wait
@@ -97,7 +97,7 @@ def test_a_trim_while_a_tile_waits_keeps_the_bits(monkeypatch):
     # whole still commits the same bits. One trimmed into is no tile any more; its
     # tokens are still the exact ones (a committed tile trimmed into comes back
     # dequantized), so only its counts are compared.
-    n = commits.PER_STEP + 2
+    n = waiting_tiles.PER_STEP + 2
 
     def run():
         caches = [KVarNCache(CFG) for _ in range(n)]
@@ -113,8 +113,8 @@ def test_a_trim_while_a_tile_waits_keeps_the_bits(monkeypatch):
 
     spread = run()
     with monkeypatch.context() as m:
-        m.setattr(commits, "take", lambda cache: None)
-        m.setattr(commits, "due", lambda cache: True)
+        m.setattr(waiting_tiles, "take", lambda cache: None)
+        m.setattr(waiting_tiles, "due", lambda cache: True)
         alone = run()
     for a, b in zip(spread, alone):
         assert a.n_tiles == b.n_tiles and (a.offset, a.n_tail) == (b.offset, b.n_tail)

@@ -639,7 +639,7 @@ def test_greedy_generation_same_tokens_with_kernels(monkeypatch, rotate_keys):
     print(f"\ngreedy: {calls} kernel calls, smallest top-2 logit gap {min(gaps):.2e}")
     assert calls["packed_attention_metal"] >= 32
     # K and V: the prefill tile in each of the 2 layers ("auto": its keys both ways), then
-    # the tile decoding fills, both layers' in one call (commits.py).
+    # the tile decoding fills, both layers' in one call (waiting_tiles.py).
     assert calls["_quantize_metal"] == (8 if rotate_keys == "auto" else 6)
     assert got == want
 

@@ -114,9 +114,9 @@ def test_a_rejected_token_that_chose_the_key_rotation_does_not_keep_its_choice()
         c.update_and_fetch(k[:, :, :n], v[:, :, :n])
     spec.update_and_fetch(k[:, :, n : n + 4], v[:, :, n : n + 4])
     packed_attention(q[:, :, :4], spec, 0.125, mask="causal")
-    assert spec.provisional == "first" and not isinstance(spec.rotate_k, bool)
+    assert spec.room_tile == "chose_rotation" and not isinstance(spec.rotate_k, bool)
     spec.trim(2)
-    assert spec.provisional is None and spec.rotate_k is True
+    assert spec.room_tile is None and spec.rotate_k is True
     alone.update_and_fetch(k[:, :, n : n + 2], v[:, :, n : n + 2])
     packed_attention(q[:, :, :2], alone, 0.125, mask="causal")
     for c in (spec, alone):

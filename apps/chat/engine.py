@@ -199,8 +199,8 @@ class Engine:
 
     def stats(self):
         """The CLI's stats line: KV bytes held against mlx-lm's plain cache in the
-        model's dtype and the 2-byte (fp16) equivalent (memory.panel)."""
-        m = memory.panel(self.cache)
+        model's dtype and the 2-byte (fp16) equivalent (memory.sequence_summary)."""
+        m = memory.sequence_summary(self.cache)
         return {
             "model": self.name,
             "preset": self.preset,

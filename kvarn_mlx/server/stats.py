@@ -21,7 +21,7 @@ from ..batch_cache import BatchKVarNCache
 
 PUBLISH_EVERY = 1.0  # seconds between measurements while the number of sequences stays
 # Per request (by completion id): its prompt's length and digest; per cache lately
-# stored in the prompt cache: its tokens and memory.panel figures, measured when
+# stored in the prompt cache: its tokens and memory.sequence_summary figures, measured when
 # stored. Both bounded (a stored entry holds 4 bytes a token).
 REMEMBERED, STORED = 256, 32
 
@@ -35,7 +35,7 @@ class KVStats:
         self.prompt_caches = weakref.WeakSet()  # the LRUs whose entries count
         self.prompt_tokens = 0  # of requests the model ran (those the prompt cache held are not)
         # "now": the latest live figures, "peak": those with the most tokens held,
-        # "rows": (tokens, memory.panel figures) of each sequence decoded with KVarN caches.
+        # "rows": (tokens, memory.sequence_summary figures) of each sequence decoded with KVarN caches.
         self.live = {"now": None, "peak": None, "at": 0.0, "sequences": 0, "rows": []}
         self.prompts = OrderedDict()
         self.stored = deque(maxlen=STORED)
@@ -50,7 +50,7 @@ class KVStats:
         if not force and n == live["sequences"] and now - live["at"] < PUBLISH_EVERY:
             return
         figures = total(entries)
-        live_rows = [(np.asarray(t, dtype=np.int32), memory.panel(c)) for t, c in rows()]
+        live_rows = [(np.asarray(t, dtype=np.int32), memory.sequence_summary(c)) for t, c in rows()]
         live.update(now=figures, at=now, sequences=n, rows=live_rows)
         if live["peak"] is None or figures["tokens"] > live["peak"]["tokens"]:
             live["peak"] = figures
@@ -60,7 +60,9 @@ class KVStats:
         measured before the LRU may trim or hand it on: only mlx-lm's kinds of
         cache (each has a state), not any object a caller stores."""
         if all(hasattr(c, "state") for c in prompt_cache):
-            self.stored.append((np.asarray(tokens, dtype=np.int32), memory.panel(prompt_cache)))
+            self.stored.append(
+                (np.asarray(tokens, dtype=np.int32), memory.sequence_summary(prompt_cache))
+            )
 
     def remember(self, request, prompt):
         """The prompt tokens of the request with this completion id (for request_figures)."""
@@ -89,7 +91,7 @@ class KVStats:
         return out
 
     def request_figures(self, request):
-        """memory.panel figures of the request with this completion id: once it
+        """memory.sequence_summary figures of the request with this completion id: once it
         finished, of the cache it left in the prompt cache (its prompt and reply;
         "live": False); while it is decoded in a batch of KVarN caches, of its
         row as of the latest live measurement ("live": True). None before that, for

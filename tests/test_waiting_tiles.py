@@ -1,5 +1,5 @@
 """The tiles decode steps leave waiting are quantized in one call for all
-layers (kvarn_mlx/commits.py), and that call stores exactly what one call per
+layers (kvarn_mlx/waiting_tiles.py), and that call stores exactly what one call per
 layer stores."""
 
 import mlx.core as mx
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from kvarn_mlx import commits, dispatch
+from kvarn_mlx import dispatch, waiting_tiles
 from kvarn_mlx.cache import KVarNCache
 from kvarn_mlx.config import KVarNConfig, get_preset
 from kvarn_mlx.integration import make_cache
@@ -48,7 +48,7 @@ def assert_same_tiles(a, b):
 
 
 def alone(monkeypatch):
-    monkeypatch.setattr(commits, "take", lambda cache: None)
+    monkeypatch.setattr(waiting_tiles, "take", lambda cache: None)
 
 
 @pytest.mark.parametrize("configs", [[CFG] * 4, [AUTO] * 4, [CFG, AUTO, CFG, AUTO]])
