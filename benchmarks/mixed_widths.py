@@ -7,8 +7,9 @@ The fidelity runs measure on the start of CPython's pydoc text; calibration
 measured text was not used for calibration.
 
     python -m kvarn_mlx.calibrate --out benchmarks/results/profile_smollm2.json
+    P=benchmarks/results/profile_smollm2.json
     python -m kvarn_mlx.eval --tag mixed_smollm2 --attention packed fidelity --contexts 1024,4096 \\
-        --methods auto2,auto4v2,benchmarks/results/profile_smollm2.json@auto2,benchmarks/results/profile_smollm2.json@auto4v2
+        --methods auto2,auto4v2,$P@auto2,$P@auto4v2
     python benchmarks/mixed_widths.py --profile benchmarks/results/profile_smollm2.json \\
         --fidelity benchmarks/results/fidelity_mixed_smollm2.json --tag smollm2
 
@@ -97,13 +98,15 @@ def main():
     t = prof["text"]
     md = [
         f"# Per-layer widths from a calibration profile ({args.tag})\n",
-        f"Model: {prof['model'].get('model')}. Profile: `{args.profile}`, calibrated on {t['tokens']} tokens of "
-        f"`{t['source']}` from character {t['start_char']} (KL over positions {t['measured_positions'][0]}.."
-        f"{t['measured_positions'][1]}), in {prof['seconds']:.0f} s on this machine ({prof['mode']}).\n",
-        "Measured: teacher-forced mean KL to the plain cache over positions 128..L-2 of the *start* of the "
-        "same text (not used for calibration), 256-token chunks, packed attention; bytes held at L tokens "
-        "(measured arrays). Predicted: the sum over layers of the profile's KL at each layer's key width and "
-        "value width (the mix's own choice; for a preset, its widths everywhere).\n",
+        f"Model: {prof['model'].get('model')}. Profile: `{args.profile}`, calibrated on "
+        f"{t['tokens']} tokens of `{t['source']}` from character {t['start_char']} (KL over "
+        f"positions {t['measured_positions'][0]}..{t['measured_positions'][1]}), in "
+        f"{prof['seconds']:.0f} s on this machine ({prof['mode']}).\n",
+        "Measured: teacher-forced mean KL to the plain cache over positions 128..L-2 of the "
+        "*start* of the same text (not used for calibration), 256-token chunks, packed "
+        "attention; bytes held at L tokens (measured arrays). Predicted: the sum over layers of "
+        "the profile's KL at each layer's key width and value width (the mix's own choice; for "
+        "a preset, its widths everywhere).\n",
         "Commands:\n",
         "```sh",
         f"python -m kvarn_mlx.calibrate {prof.get('command', '').split('calibrate ', 1)[-1]}",
@@ -144,8 +147,8 @@ def main():
             cfg = get_preset(e["method"])
             if all(kv == (cfg.k_bits, cfg.v_bits) for kv in m.widths.values()):
                 md.append(
-                    f"\nThe mix at {e['method']}'s bytes is {e['method']} itself: no other widths fit "
-                    "those bytes with a lower predicted KL."
+                    f"\nThe mix at {e['method']}'s bytes is {e['method']} itself: no other widths "
+                    "fit those bytes with a lower predicted KL."
                 )
     plot = draw(out, contexts, args.out / f"mixed_widths_{args.tag}.png")
     if plot:

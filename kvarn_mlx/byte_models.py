@@ -122,8 +122,8 @@ def model_layers(model):
             layers.append(Layer("state", state_bytes=c.nbytes, top_level=top, cls=name))
         else:
             raise PlanError(
-                f"the planner does not know how a {name} layer grows (it knows KVCache, RotatingKVCache "
-                "and fixed-size recurrent caches)"
+                f"the planner does not know how a {name} layer grows (it knows KVCache, "
+                "RotatingKVCache and fixed-size recurrent caches)"
             )
     return layers
 

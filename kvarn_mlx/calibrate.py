@@ -347,7 +347,8 @@ def calibrate(
     layers, shapes = quantizable_layers(model)
     if not layers:
         raise ValueError(
-            "this model has no layer make_cache quantizes (plain KVCache layers): nothing to calibrate"
+            "this model has no layer make_cache quantizes (plain KVCache layers): nothing to "
+            "calibrate"
         )
     make_cache(model, base)  # turns the packed-attention patch on
     chunks = _chunks(tokens, chunk)
@@ -363,8 +364,8 @@ def calibrate(
             err = f"{type(e).__name__}: {e}"
         if not (isinstance(err, float) and err <= REPLAY_TOLERANCE):
             log.warning(
-                f"calibrate: replaying this model's layers does not reproduce its plain pass ({err}); "
-                "measuring with whole passes (slower)"
+                "calibrate: replaying this model's layers does not reproduce its plain pass "
+                f"({err}); measuring with whole passes (slower)"
             )
             mode = "whole"
     variants = []
@@ -409,7 +410,8 @@ def calibrate(
         },
         "settings": {k: getattr(base, k) for k in profiles.SETTINGS},
         "widths": widths,
-        "kl": "mean KL(plain || this) in nats per measured position, only this layer's side quantized",
+        "kl": "mean KL(plain || this) in nats per measured position, "
+        "only this layer's side quantized",
         "layers": [{"layer": l, "k": results[l, "k"], "v": results[l, "v"]} for l in layers],
         "mode": mode,
         "seconds": round(time.time() - t0, 1),
@@ -517,9 +519,10 @@ def main(argv=None):
         key=lambda t: t[2],
     )
     print(
-        f"wrote {args.out}: {len(p['layers'])} layers x {len(profiles.SIDES)} sides x {len(p['widths'])} widths "
-        f"in {p['seconds']:.0f} s ({p['mode']}); most sensitive at {min(p['widths'])} bits: layer {worst[0]} "
-        f"{'keys' if worst[1] == 'k' else 'values'} (KL {worst[2]:.3g})"
+        f"wrote {args.out}: {len(p['layers'])} layers x {len(profiles.SIDES)} sides x "
+        f"{len(p['widths'])} widths in {p['seconds']:.0f} s ({p['mode']}); most sensitive at "
+        f"{min(p['widths'])} bits: layer {worst[0]} {'keys' if worst[1] == 'k' else 'values'} (KL "
+        f"{worst[2]:.3g})"
     )
 
 

@@ -193,7 +193,8 @@ def make_cache(
             caches[i] = members[0]
     if skipped:
         _warn_once(
-            f"KVarN left {', '.join(sorted(skipped))} layers as they were (only plain KVCache layers are quantized)"
+            f"KVarN left {', '.join(sorted(skipped))} layers as they were (only plain KVCache "
+            "layers are quantized)"
         )
     for problem, n in left_plain.items():
         _warn_once(f"KVarN left {n} of {n_kv} KVCache layers plain: {problem}")
@@ -215,7 +216,8 @@ def quantizable_layers(model):
     return layers, shapes
 
 
-_mixes = {}  # (id(model), profile file, its mtime and size, bytes_like, max_kl) -> (model ref, Mix, configs)
+# (id(model), profile file, its mtime and size, bytes_like, max_kl) -> (model ref, Mix, configs)
+_mixes = {}
 
 
 def profile_mix(model, profile, bytes_like=None, max_kl=None):

@@ -83,8 +83,8 @@ class Mix:
         )
         if self.budget:
             out += (
-                f" ({self.budget['name']}: {self.budget['tile_bytes'] / self.group_size:,.1f} bytes/token, "
-                f"predicted KL {self.budget['predicted_kl']:.4g})"
+                f" ({self.budget['name']}: {self.budget['tile_bytes'] / self.group_size:,.1f} "
+                f"bytes/token, predicted KL {self.budget['predicted_kl']:.4g})"
             )
         per_layer = " ".join(f"{l}:k{k}v{v}" for l, (k, v) in sorted(self.widths.items()))
         return out + "\n  per layer: " + per_layer
@@ -155,7 +155,8 @@ def choose(p, shapes, bytes_like=None, max_kl=None) -> Mix:
         cfg = get_preset(bytes_like)
         if cfg.group_size != G:
             raise ValueError(
-                f"bytes_like={bytes_like!r} has {cfg.group_size}-token tiles; the profile's have {G}"
+                f"bytes_like={bytes_like!r} has {cfg.group_size}-token tiles; the profile's have "
+                f"{G}"
             )
         widths = {"k": cfg.k_bits, "v": cfg.v_bits}
         total, kl = 0, 0.0

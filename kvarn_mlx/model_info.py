@@ -30,7 +30,8 @@ def read_folder(path, name=None):
     path = Path(path).expanduser()
     if not (path / "config.json").is_file():
         raise PlanError(
-            f"{path} has no config.json; pass a model folder, a Hugging Face repo id, or omit --model"
+            f"{path} has no config.json; pass a model folder, a Hugging Face repo id, or omit "
+            "--model"
         )
     try:
         config = json.loads((path / "config.json").read_text())
@@ -78,17 +79,17 @@ def read_hub(repo):
             except PlanError:
                 pass
         raise PlanError(
-            f"could not read {repo}'s config.json and file sizes from the Hugging Face Hub (no network?) "
-            f"[{type(e).__name__}: {e}], and no downloaded copy is cached. Pass a local model folder that has "
-            "config.json, or omit --model to plan for the embedded default model (HF_HUB_OFFLINE=1 skips the "
-            "Hub's retries)"
+            f"could not read {repo}'s config.json and file sizes from the Hugging Face Hub (no "
+            f"network?) [{type(e).__name__}: {e}], and no downloaded copy is cached. Pass a local "
+            "model folder that has config.json, or omit --model to plan for the embedded default "
+            "model (HF_HUB_OFFLINE=1 skips the Hub's retries)"
         ) from e
     sizes = {s.rfilename: s.size for s in info.siblings}
     files = _weight_files(list(sizes))
     if not files or any(sizes[f] is None for f in files):
         raise PlanError(
-            f"{repo} lists no .safetensors weights with sizes on the Hugging Face Hub (mlx-lm loads only "
-            ".safetensors)"
+            f"{repo} lists no .safetensors weights with sizes on the Hugging Face Hub (mlx-lm "
+            "loads only .safetensors)"
         )
     return ModelInfo(
         repo, config, sum(sizes[f] for f in files), f"{len(files)} .safetensors file(s) on the Hub"
@@ -114,8 +115,8 @@ def read_model(model=None):
         return read_folder(path, path.name)
     if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model):
         raise PlanError(
-            f"no such model folder: {model}. Pass a folder with config.json, a Hugging Face repo id "
-            "(owner/name), or omit --model for the embedded default model"
+            f"no such model folder: {model}. Pass a folder with config.json, a Hugging Face repo "
+            "id (owner/name), or omit --model for the embedded default model"
         )
     return read_hub(model)
 
@@ -139,7 +140,8 @@ def lazy_model(config, dtype):
         model = model_cls(args_cls.from_dict(config))
     except Exception as e:
         raise PlanError(
-            f"mlx-lm cannot build model type {config.get('model_type')!r} from this config.json: {e}"
+            f"mlx-lm cannot build model type {config.get('model_type')!r} from this config.json: "
+            f"{e}"
         ) from e
     model.set_dtype(DTYPES[dtype])
     return model

@@ -168,8 +168,9 @@ def cache_plans(config, dtype, prefill=PREFILL_STEP_SIZE, model=None):
     warning = None
     if any(l.kind == "window" and l.top_level for l in layers) and not _mlx_quantizes_windows():
         warning = (
-            "mlx-lm cannot quantize RotatingKVCache (sliding-window) layers: they are counted plain here, "
-            "but mlx_lm.generate --kv-bits stops with NotImplementedError once they reach quantized_kv_start"
+            "mlx-lm cannot quantize RotatingKVCache (sliding-window) layers: they are counted "
+            "plain here, but mlx_lm.generate --kv-bits stops with NotImplementedError once they "
+            "reach quantized_kv_start"
         )
     for bits in MLX_KV_BITS:
         fails = run_fails(model, make_prompt_cache(model), lambda c: quantize_like_mlx_lm(c, bits))
@@ -279,8 +280,8 @@ def format_plan(p):
         f"           {p['layers']}",
         f"weights    {human(p['weights_bytes'])} ({p['weights_source']})",
         f"budget     {human(p['budget_bytes'])} ({p['budget_source']})",
-        f"KV budget  {human(p['kv_budget_bytes'])} = budget - weights - {human(p['overhead_bytes'])} allowance for "
-        "activations and the runtime (--overhead)",
+        f"KV budget  {human(p['kv_budget_bytes'])} = budget - weights - "
+        f"{human(p['overhead_bytes'])} allowance for activations and the runtime (--overhead)",
     ]
     if p["kv_budget_bytes"] <= 0:
         lines.append(
@@ -290,7 +291,8 @@ def format_plan(p):
         lines.append(f"note       {p['dtype_note']}")
     if p["max_position_embeddings"]:
         lines.append(
-            f"context    the model takes up to {p['max_position_embeddings']:,} tokens (max_position_embeddings)"
+            f"context    the model takes up to {p['max_position_embeddings']:,} tokens "
+            "(max_position_embeddings)"
         )
     lines.append("")
     head = f"{'cache':<18} {'KV bytes/token':>14} {'longest context':>16}"
@@ -303,7 +305,10 @@ def format_plan(p):
             lines.append(f"{r['cache']:<18} not applicable: {r['error']}")
             continue
         n = r["longest_context"]
-        line = f"{r['cache']:<18} {human(r['bytes_per_token']):>14} {'no limit' if n is None else f'{n:,}':>16}"
+        line = (
+            f"{r['cache']:<18} {human(r['bytes_per_token']):>14} "
+            f"{'no limit' if n is None else f'{n:,}':>16}"
+        )
         if ctx is not None:
             line += (
                 f" {human(r['kv_bytes_at_context']):>16} {'yes' if r['fits_context'] else 'no':>5}"
@@ -312,11 +317,12 @@ def format_plan(p):
         if r["warning"] and r["warning"] not in warnings:
             warnings.append(r["warning"])
     legend = (
-        "KV bytes/token: what each further token adds (sliding-window and recurrent layers add nothing). "
-        "Longest context: the most every cache layer can hold up to that many tokens, sink, tail buffer "
-        f"and preallocated room included, with prompts prefilled in chunks of {p['prefill_step_size']:,} "
-        "tokens at most. The allowance does not grow with the context: transient buffers of a long "
-        "prefill that do (a chunk's attention scores where attention is not fused) are not in it."
+        "KV bytes/token: what each further token adds (sliding-window and recurrent layers add "
+        "nothing). Longest context: the most every cache layer can hold up to that many tokens, "
+        "sink, tail buffer and preallocated room included, with prompts prefilled in chunks of "
+        f"{p['prefill_step_size']:,} tokens at most. The allowance does not grow with the "
+        "context: transient buffers of a long prefill that do (a chunk's attention scores where "
+        "attention is not fused) are not in it."
     )
     lines += ["", *textwrap.wrap(legend, 100)]
     for w in warnings:
@@ -333,19 +339,21 @@ def setup_arg_parser():
     p.add_argument(
         "--model",
         default=None,
-        help="Local model folder (with config.json) or Hugging Face repo id; reads only config.json "
-        "and the weight files' sizes (default: the embedded SmolLM2-135M-Instruct)",
+        help="Local model folder (with config.json) or Hugging Face repo id; "
+        "reads only config.json and the weight files' sizes "
+        "(default: the embedded SmolLM2-135M-Instruct)",
     )
     p.add_argument(
         "--memory",
         default=None,
-        help="Memory budget, e.g. 24GB (powers of 1024). Default: on a Mac the GPU's working-set limit, "
-        "elsewhere the machine's RAM",
+        help="Memory budget, e.g. 24GB (powers of 1024). "
+        "Default: on a Mac the GPU's working-set limit, elsewhere the machine's RAM",
     )
     p.add_argument(
         "--overhead",
         default=DEFAULT_OVERHEAD,
-        help=f"Allowance for activations, the runtime and transient buffers (default {DEFAULT_OVERHEAD})",
+        help="Allowance for activations, the runtime and transient buffers "
+        f"(default {DEFAULT_OVERHEAD})",
     )
     p.add_argument(
         "--context", type=int, default=None, help="Also say which caches fit this many tokens"
@@ -360,7 +368,8 @@ def setup_arg_parser():
         "--prefill-step-size",
         type=int,
         default=PREFILL_STEP_SIZE,
-        help="Prompt tokens per prefill step, as in generate (sliding-window layers hold one chunk more)",
+        help="Prompt tokens per prefill step, as in generate "
+        "(sliding-window layers hold one chunk more)",
     )
     p.add_argument("--json", action="store_true", help="Print the plan as JSON")
     return p

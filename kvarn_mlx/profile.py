@@ -212,7 +212,8 @@ def flags(profile, bytes_like, max_kl, default_bytes_like):
 
 
 def from_settings(settings, default_bytes_like):
-    """flags() of parsed CLI settings (kv_profile, kv_bytes_like, kv_max_kl; absent ones are None)."""
+    """flags() of parsed CLI settings
+    (kv_profile, kv_bytes_like, kv_max_kl; absent ones are None)."""
     return flags(
         getattr(settings, "kv_profile", None),
         getattr(settings, "kv_bytes_like", None),

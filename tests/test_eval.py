@@ -47,7 +47,8 @@ def kv(L=300, D=64, seed=0):
 
 
 def all_tokens(cache, k, v):
-    """Every token of k, v [1, H, L, D] as the cache holds them (all whole tiles quantized), numpy."""
+    """Every token of k, v [1, H, L, D] as the cache holds them
+    (all whole tiles quantized), numpy."""
     cache.update_and_fetch(mx.array(k), mx.array(v))
     kh, vh = cache.update_and_fetch(
         mx.array(k[..., :0, :]), mx.array(v[..., :0, :])
@@ -71,7 +72,8 @@ def test_quantized_methods_differ_and_report_bytes(model):
     assert rows["konly2"]["bytes"] > rows["kivi2"]["bytes"]  # V kept in full precision
     # 2 layers, 2 kv heads, head dim 64, K and V, 2 bytes each.
     assert all(r["fp16_bytes"] == 2 * 2 * 2 * 512 * 64 * 2 for r in res["rows"])
-    # kivi2: 2-bit codes, float16 scales a, b per channel (K) / per token (V) and t / c of 128-token tiles.
+    # kivi2: 2-bit codes, float16 scales a, b per channel (K) / per token (V)
+    # and t / c of 128-token tiles.
     assert rows["kivi2"]["bits_per_quantized_element"] == 2 + 8 * 2 * (3 * 64 + 3 * 128) / (
         2 * 128 * 64
     )

@@ -74,7 +74,8 @@ def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
         assert (
             len(r["kl"]) == 300 and len(r["first_divergence"]) == 2 and 0 <= r["agreement"][0] <= 1
         )
-    # A prompt of ~40 tokens and 300 generated: tiles of generated tokens were read, so KVarN is not exact.
+    # A prompt of ~40 tokens and 300 generated: tiles of generated tokens were read,
+    # so KVarN is not exact.
     assert np.mean(saved["methods"]["k2v2_g128"]["kl"][200:]) > 0
     md = (tmp_path / "longgen_t.md").read_text()
     assert "| k2v2_g128 | 2/2 |" in md and "KL steps 256-300" in md

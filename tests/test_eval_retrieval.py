@@ -27,8 +27,8 @@ def test_wilson_known_values():
     assert retrieval.wilson(10, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
     assert retrieval.wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
     assert retrieval.wilson(0, 0) == (0.0, 1.0)
-    # All right or all wrong: the interval holds 1 or 0 exactly (6/6 rounded to 0.9999999999999999 once,
-    # and the table said the plain cache was outside its own interval).
+    # All right or all wrong: the interval holds 1 or 0 exactly (6/6 rounded to
+    # 0.9999999999999999 once, and the table said the plain cache was outside its own interval).
     for n in range(1, 200):
         assert retrieval.wilson(n, n)[1] == 1.0 and retrieval.wilson(0, n)[0] == 0.0
 
@@ -158,7 +158,8 @@ def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
     )
     again = main(argv, model=model, tokenizer=tok, model_name="tiny")
     assert again["records"] == res["records"]
-    # Fewer methods and a subset of the lengths reuse it too, with the other methods' answers dropped.
+    # Fewer methods and a subset of the lengths reuse it too,
+    # with the other methods' answers dropped.
     fewer = main(
         [*argv[:6], "k4v2_g128", "--lengths", "500", *argv[9:]],
         model=model,

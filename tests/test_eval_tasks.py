@@ -113,7 +113,10 @@ def test_sandbox_blocks_files_outside_its_folder(tmp_path):
 
 def test_program_takes_a_whole_function_or_a_body(problems):
     p = problems[2]  # truncate_number
-    whole = "Here it is:\n```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n```\nDone."
+    whole = (
+        "Here it is:\n```python\ndef truncate_number(number: float) -> float:\n"
+        "    return number % 1.0\n```\nDone."
+    )
     assert sandbox.run(tasks.program(p, whole)).passed
     assert sandbox.run(tasks.program(p, "    return number % 1.0\n")).passed
     assert (
@@ -281,8 +284,9 @@ def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_embedded_model_answers_in_code(smollm, tmp_path):
-    # SmolLM2-135M rarely passes HumanEval; what this checks is the real path: chat-template prompts, batched
-    # KVarN and plain caches, answers that are Python functions, a context of 1,024 tokens prefilled once.
+    # SmolLM2-135M rarely passes HumanEval; what this checks is the real path: chat-template
+    # prompts, batched KVarN and plain caches, answers that are Python functions, a context of
+    # 1,024 tokens prefilled once.
     import ast
 
     model, tok = smollm

@@ -60,7 +60,8 @@ GEMMA3 = dict(
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """config.json of the embedded default model (llama, 30 layers, 3 kv heads, head dim 64, float32)."""
+    """config.json of the embedded default model (llama, 30 layers, 3 kv heads, head dim 64,
+    float32)."""
     return model_info.read_model(None).config
 
 

@@ -154,21 +154,26 @@ def markdown(res, meta_md):
     out = [
         f"# Error accumulation (pseudo-decode, text: {res['source']})\n",
         meta_md,
-        f"\nContext {res['context']} tokens, prefilled in blocks of {res['block']} (each block is quantized "
-        "before the next attends to it; a block's own tokens are seen in full precision, as in real decoding). "
-        "Error = mean |attention output - full-precision output| (before o_proj), averaged over heads, channels "
-        "and layers. Accumulated: the chunked run, where every layer's input already carries the error of earlier "
-        "layers and tokens. Static: the full-precision run's K/V quantized once, attended by the full-precision "
-        "queries with the same visibility (tiles before the query's block quantized, the block itself exact), so "
-        f"acc/static > 1 is error carried forward through layers and tokens. Windows: first = positions [{first[0]}, {first[1]}), last = [{last[0]}, {last[1]}).\n",
-        "| method | acc first | acc last | acc growth (last/first) | acc slope /1K tok | static first | static last | static slope /1K | acc/static (last) |",
+        f"\nContext {res['context']} tokens, prefilled in blocks of {res['block']} (each block "
+        "is quantized before the next attends to it; a block's own tokens are seen in full "
+        "precision, as in real decoding). Error = mean |attention output - full-precision "
+        "output| (before o_proj), averaged over heads, channels and layers. Accumulated: the "
+        "chunked run, where every layer's input already carries the error of earlier layers and "
+        "tokens. Static: the full-precision run's K/V quantized once, attended by the "
+        "full-precision queries with the same visibility (tiles before the query's block "
+        "quantized, the block itself exact), so acc/static > 1 is error carried forward through "
+        f"layers and tokens. Windows: first = positions [{first[0]}, {first[1]}), last = "
+        f"[{last[0]}, {last[1]}).\n",
+        "| method | acc first | acc last | acc growth (last/first) | acc slope /1K tok | static "
+        "first | static last | static slope /1K | acc/static (last) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
-            f"| {r['method']} | {r['acc_first']:.5f} | {r['acc_last']:.5f} | {r['acc_growth']:.2f} | "
-            f"{r['acc_slope_per_1k']:+.5f} | {r['static_first']:.5f} | {r['static_last']:.5f} | "
-            f"{r['static_slope_per_1k']:+.5f} | {r['acc_over_static_last']:.2f} |"
+            f"| {r['method']} | {r['acc_first']:.5f} | {r['acc_last']:.5f} | "
+            f"{r['acc_growth']:.2f} | {r['acc_slope_per_1k']:+.5f} | {r['static_first']:.5f} | "
+            f"{r['static_last']:.5f} | {r['static_slope_per_1k']:+.5f} | "
+            f"{r['acc_over_static_last']:.2f} |"
         )
     out.append("\nPer-layer mean error over quantized positions (accumulated / static):\n")
     names = list(res["methods"])
@@ -180,7 +185,8 @@ def markdown(res, meta_md):
         for n in names:
             r = res["methods"][n]
             cells.append(
-                f"{r['accumulated'][i, SINK + G :].mean():.4f} / {r['static'][i, SINK + G :].mean():.4f}"
+                f"{r['accumulated'][i, SINK + G :].mean():.4f} / "
+                f"{r['static'][i, SINK + G :].mean():.4f}"
             )
         out.append(f"| {i} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"

@@ -127,13 +127,15 @@ def markdown(res, meta_md):
     out = [
         f"# Decode (greedy, text: {res['source']})\n",
         meta_md,
-        f"\n{P} prompt(s) of {res['prompt_len']} tokens (consecutive pieces of the text), {res['steps']} greedy "
-        "steps each. First divergence: the first step whose greedy token differs from the full-precision run's "
-        "(free-running and teacher-forced decoding agree up to that step; 'none' = no divergence within the steps, "
-        "counted as the step count in the median). KL: per step on the full-precision trajectory (teacher-forced), "
-        "averaged over prompts. With sink 128 and 128-token tiles, tokens generated after the prompt are quantized "
-        "once the tail fills.\n",
-        "| method | K/V bits | first divergence per prompt | median | KL mean | KL p99 | KL mean, steps < 128 | KL mean, steps >= 128 |",
+        f"\n{P} prompt(s) of {res['prompt_len']} tokens (consecutive pieces of the text), "
+        f"{res['steps']} greedy steps each. First divergence: the first step whose greedy token "
+        "differs from the full-precision run's (free-running and teacher-forced decoding agree "
+        "up to that step; 'none' = no divergence within the steps, counted as the step count in "
+        "the median). KL: per step on the full-precision trajectory (teacher-forced), averaged "
+        "over prompts. With sink 128 and 128-token tiles, tokens generated after the prompt are "
+        "quantized once the tail fills.\n",
+        "| method | K/V bits | first divergence per prompt | median | KL mean | KL p99 | KL "
+        "mean, steps < 128 | KL mean, steps >= 128 |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in res["methods"].items():
@@ -141,8 +143,8 @@ def markdown(res, meta_md):
         fd = ", ".join("none" if d is None else str(d) for d in r["first_divergence"])
         late = kl[128:].mean() if len(kl) > 128 else float("nan")
         out.append(
-            f"| {name} | {method_bits(name)} | {fd} | {r['first_divergence_median']:.0f} | {kl.mean():.4f} | "
-            f"{np.percentile(kl, 99):.3f} | {kl[:128].mean():.4f} | {late:.4f} |"
+            f"| {name} | {method_bits(name)} | {fd} | {r['first_divergence_median']:.0f} | "
+            f"{kl.mean():.4f} | {np.percentile(kl, 99):.3f} | {kl[:128].mean():.4f} | {late:.4f} |"
         )
     return "\n".join(out) + "\n"
 

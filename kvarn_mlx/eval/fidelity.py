@@ -129,16 +129,18 @@ def markdown(res, meta_md):
     out = [
         f"# Fidelity (teacher-forced, text: {res['source']})\n",
         meta_md,
-        f"\nPrefill in {res['chunk']}-token chunks (each chunk attends to tiles quantized before it). "
-        f"Metrics over {res['positions']}; KL = KL(p_fp || p_method) per position in nats. "
-        "Bytes: measured held K/V arrays of all layers at that context (sink and tail in the model's dtype, "
-        "float32 here); ratio = a 2-byte fp16 KVCache's bytes / measured bytes. "
-        "bits/elt: codes + scales per element stored in quantized tiles (for K-only / V-only: of the quantized side).\n",
+        f"\nPrefill in {res['chunk']}-token chunks (each chunk attends to tiles quantized before "
+        f"it). Metrics over {res['positions']}; KL = KL(p_fp || p_method) per position in nats. "
+        "Bytes: measured held K/V arrays of all layers at that context (sink and tail in the "
+        "model's dtype, float32 here); ratio = a 2-byte fp16 KVCache's bytes / measured bytes. "
+        "bits/elt: codes + scales per element stored in quantized tiles (for K-only / V-only: "
+        "of the quantized side).\n",
     ]
     for Lc in sorted({r["context"] for r in res["rows"]}):
         out.append(f"\n## Context {Lc}\n")
         out.append(
-            "| method | K/V bits | KL mean | KL p99 | top-1 agree | ppl | ppl delta | bytes | vs fp16 | bits/elt |"
+            "| method | K/V bits | KL mean | KL p99 | top-1 agree | ppl | ppl delta | bytes | vs "
+            "fp16 | bits/elt |"
         )
         out.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in res["rows"]:
@@ -148,7 +150,8 @@ def markdown(res, meta_md):
             be = f"{r['bits_per_quantized_element']:.2f}" if r["bits_per_quantized_element"] else ""
             out.append(
                 f"| {r['method']} | {r['bits_kv']} | {r['kl_mean']:.4f} | {r['kl_p99']:.3f} | "
-                f"{r['top1_agree']:.3f} | {r['ppl']:.3f} | {r['ppl_delta']:+.3f} | {r['bytes'] or ''} | {ratio} | {be} |"
+                f"{r['top1_agree']:.3f} | {r['ppl']:.3f} | {r['ppl_delta']:+.3f} | "
+                f"{r['bytes'] or ''} | {ratio} | {be} |"
             )
     out.append(
         "\nSeconds per method (whole run): "

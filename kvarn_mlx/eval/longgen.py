@@ -36,22 +36,25 @@ NAME = "longgen"
 HELP = "long greedy generation: per-step KL on the plain cache's trajectory, first divergence"
 
 QUESTIONS = (
-    "A train leaves a station at 9:40 and travels 210 km at 84 km/h. Then it waits 25 minutes and travels "
-    "another 150 km at 100 km/h. At what time does it arrive? Think step by step and check your work.",
-    "Alice is older than Bob. Carol is younger than Bob but older than Dave. Erin is older than Alice. "
-    "List the five people from oldest to youngest, explaining every step of your reasoning.",
-    "Explain step by step how to find all prime numbers below 100 with the sieve of Eratosthenes, then "
-    "list them and count them.",
-    "A shop sells pencils at 3 for 2 dollars and notebooks at 5 dollars each. Sam buys 12 pencils and "
-    "4 notebooks and pays with a 50 dollar bill. How much change does he get? Reason carefully.",
-    "Plan a week of study to learn the basics of Python programming. For each day, explain what to learn, "
-    "why, and how to practice it, and justify the order.",
-    "Why do we have seasons on Earth? Explain the reasoning in detail, correct two common misconceptions, "
-    "and describe what would change if the Earth's axis were not tilted.",
-    "Write a detailed proof that the square root of 2 is irrational, explaining each step, and then explain "
-    "why the same argument fails for the square root of 4.",
-    "You have 8 coins, one of which is heavier, and a balance scale. Explain, step by step, how to find the "
-    "heavy coin in two weighings, and why one weighing is not enough.",
+    "A train leaves a station at 9:40 and travels 210 km at 84 km/h. Then it waits 25 minutes "
+    "and travels another 150 km at 100 km/h. At what time does it arrive? Think step by step "
+    "and check your work.",
+    "Alice is older than Bob. Carol is younger than Bob but older than Dave. Erin is older than "
+    "Alice. List the five people from oldest to youngest, explaining every step of your "
+    "reasoning.",
+    "Explain step by step how to find all prime numbers below 100 with the sieve of "
+    "Eratosthenes, then list them and count them.",
+    "A shop sells pencils at 3 for 2 dollars and notebooks at 5 dollars each. Sam buys 12 "
+    "pencils and 4 notebooks and pays with a 50 dollar bill. How much change does he get? "
+    "Reason carefully.",
+    "Plan a week of study to learn the basics of Python programming. For each day, explain what "
+    "to learn, why, and how to practice it, and justify the order.",
+    "Why do we have seasons on Earth? Explain the reasoning in detail, correct two common "
+    "misconceptions, and describe what would change if the Earth's axis were not tilted.",
+    "Write a detailed proof that the square root of 2 is irrational, explaining each step, and "
+    "then explain why the same argument fails for the square root of 4.",
+    "You have 8 coins, one of which is heavier, and a balance scale. Explain, step by step, how "
+    "to find the heavy coin in two weighings, and why one weighing is not enough.",
 )
 WINDOWS = (0, 256, 512, 1024, 2048, 4096)
 
@@ -89,7 +92,8 @@ def run(args, model, tokenizer, methods, meta_md):
 
 
 class NoEOS:
-    """The model with its end-of-sequence logits pushed far down (float32 and finite, so KL stays defined)."""
+    """The model with its end-of-sequence logits pushed far down (float32 and finite, so KL stays
+    defined)."""
 
     def __init__(self, model, eos_ids):
         self.model, self.eos, self.drop = model, sorted(eos_ids), None
@@ -265,16 +269,16 @@ def markdown(res, meta_md):
         f"# Long generation ({steps} greedy tokens per prompt)\n",
         meta_md,
         f"\n{P} reasoning-style questions through the chat template (prompt tokens: "
-        f"{', '.join(str(p['prompt_tokens']) for p in res['prompts'])}); the plain cache generates {steps} tokens "
-        "greedily, end-of-sequence masked out (for every cache alike) so each answer runs the whole length. Each "
-        "method reads the same tokens (teacher-forced): KL to the plain cache per step, averaged over prompts; "
-        "top-1 agreement = share of steps whose greedy token equals the plain cache's; first divergence = the "
-        "first step whose greedy token differs (the method's free-running output equals the plain cache's up to "
-        "it; 'none' = never within the steps). With sink 128 and 128-token tiles, generated tokens are quantized "
-        "once the tail fills.\n",
-        "| method | K/V bits | first divergence per prompt | median | top-1 agreement | KL mean | KL p99 | "
-        + " | ".join(f"KL steps {a}-{b}" for a, b in wins)
-        + " |",
+        f"{', '.join(str(p['prompt_tokens']) for p in res['prompts'])}); the plain cache "
+        f"generates {steps} tokens greedily, end-of-sequence masked out (for every cache alike) "
+        "so each answer runs the whole length. Each method reads the same tokens "
+        "(teacher-forced): KL to the plain cache per step, averaged over prompts; top-1 "
+        "agreement = share of steps whose greedy token equals the plain cache's; first "
+        "divergence = the first step whose greedy token differs (the method's free-running "
+        "output equals the plain cache's up to it; 'none' = never within the steps). With sink "
+        "128 and 128-token tiles, generated tokens are quantized once the tail fills.\n",
+        "| method | K/V bits | first divergence per prompt | median | top-1 agreement | KL mean "
+        "| KL p99 | " + " | ".join(f"KL steps {a}-{b}" for a, b in wins) + " |",
         "|---|---|---|---|---|---|---|" + "---|" * len(wins),
     ]
     for name, r in res["methods"].items():
@@ -287,8 +291,8 @@ def markdown(res, meta_md):
             + " |"
         )
     out.append(
-        "\nThe plain cache's answers (first 200 and last 100 tokens; distinct tokens among the last 512 "
-        "show whether it loops):\n"
+        "\nThe plain cache's answers (first 200 and last 100 tokens; distinct tokens among the "
+        "last 512 show whether it loops):\n"
     )
     for p in res["prompts"]:
         start = p["fp_text_start"].replace("\n", " ")
@@ -318,7 +322,8 @@ def plots(res, outdir, smooth=64):
         xlabel="generated token",
         ylabel=f"KL to the plain cache (nats, {smooth}-step mean)",
         yscale="log",
-        title=f"long generation, teacher-forced on the plain cache's tokens ({len(res['prompts'])} prompts)",
+        title="long generation, teacher-forced on the plain cache's tokens "
+        f"({len(res['prompts'])} prompts)",
     )
     ax.legend(fontsize=7)
     fig.tight_layout()

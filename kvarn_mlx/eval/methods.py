@@ -83,7 +83,8 @@ def _parse(name):
 
 
 def profile_method(name):
-    """(profile path, bytes_like, max_kl) of a PROFILE.json@PRESET or PROFILE.json@klX method, else None."""
+    """(profile path, bytes_like, max_kl) of a PROFILE.json@PRESET or PROFILE.json@klX method, else
+    None."""
     path, at, target = name.rpartition("@")
     if not at or not path.endswith(".json"):
         return None

@@ -37,7 +37,8 @@ def clopper_pearson(k, n, alpha=0.05):
     """The exact two-sided (1 - alpha) interval of a binomial proportion, k of n."""
     if n == 0:
         return (0.0, 1.0)
-    # lower: P(X >= k | p) = alpha/2, which grows with p; upper: P(X <= k | p) = alpha/2, which falls.
+    # lower: P(X >= k | p) = alpha/2, which grows with p;
+    # upper: P(X <= k | p) = alpha/2, which falls.
     low = (
         0.0 if k == 0 else _solve(lambda p: 1 - binom_cdf(k - 1, n, p), alpha / 2, increasing=True)
     )

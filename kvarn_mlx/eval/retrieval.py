@@ -42,8 +42,10 @@ HELP = "passkey / multi-key needle retrieval: accuracy by needle depth and conte
 TASKS = ("passkey", "multikey")
 COLORS = ("red", "blue", "green", "yellow", "purple", "orange", "white", "black")
 INTRO = {
-    "passkey": "Below is some text. Somewhere in it is a secret number. Remember the secret number.\n\n",
-    "multikey": "Below is some text. Somewhere in it are secret numbers for {n} colors. Remember them.\n\n",
+    "passkey": "Below is some text. Somewhere in it is a secret number. "
+    "Remember the secret number.\n\n",
+    "multikey": "Below is some text. Somewhere in it are secret numbers for {n} colors. "
+    "Remember them.\n\n",
 }
 
 
@@ -70,7 +72,8 @@ def add_arguments(p):
         "--checkpoint",
         default=None,
         help="jsonl of finished prompts: a run that stops resumes from it, and a run with more "
-        "lengths, depths or trials, or fewer methods (same other settings), reuses it (default: none)",
+        "lengths, depths or trials, or fewer methods (same other settings), reuses it (default: "
+        "none)",
     )
 
 
@@ -125,7 +128,8 @@ def _encode(tokenizer, user, answer_start):
 
 
 def make_prompt(tokenizer, task, length, depth, rng, keys=4, digits=5):
-    """(token ids, the secret number, where its needle starts in tokens) of one prompt of about `length` tokens."""
+    """(token ids, the secret number, where its needle starts in tokens) of one prompt of about
+    `length` tokens."""
     number = lambda: str(rng.randrange(10 ** (digits - 1), 10**digits))  # noqa: E731
     if task == "passkey":
         secret = number()
@@ -180,7 +184,8 @@ def first_number(text):
 
 
 def chunks(n_prompt, step):
-    """mlx-lm's generate_step: the prompt but its last token in chunks of `step`, then the last token."""
+    """mlx-lm's generate_step: the prompt but its last token in chunks of `step`, then the last
+    token."""
     out, done = [], 0
     while n_prompt - done > 1:
         k = min(step, n_prompt - done - 1)
@@ -205,7 +210,8 @@ def replayable(caches):
 
 def answer(model, ids, caches, step, n_answer, first_kv=None, on_first_chunk=None):
     """Greedy answer tokens for prompt ids with these caches, chunked as mlx-lm's generate_step.
-    first_kv: the first chunk's keys and values per layer, fed to the caches instead of running it."""
+    first_kv: the first chunk's keys and values per layer, fed to the caches instead of running
+    it."""
     x = mx.array(ids)[None]
     parts = chunks(len(ids), step)
     for i, (a, b) in enumerate(parts):
@@ -338,7 +344,8 @@ def retrieval(
 
 
 def _load_checkpoint(path, shared):
-    """Records made with the same settings and at least these methods (answers of the others dropped)."""
+    """Records made with the same settings and at least these methods (answers of the others
+    dropped)."""
     done = {}
     want = json.loads(json.dumps(shared))
     if path and Path(path).exists():
@@ -425,12 +432,14 @@ def markdown(res, meta_md):
         meta_md,
         f"\nPrompts of about {', '.join(str(L) for L in lengths)} tokens (mean "
         f"{', '.join(f'{mean_tokens[L]:.0f}' for L in lengths)}), needle depths "
-        f"{', '.join(f'{d:.0%}' for d in res['depths'])} of the haystack, {res['trials']} prompts per "
-        f"(task, length, depth), seed {res['seed']}; the same prompts for every method. Secret numbers of "
-        f"{res['digits']} digits; multikey: {res['keys']} needles, one asked. Greedy answer of "
-        f"{res['answer_tokens']} tokens after the primed answer start; right = its first number is the secret. "
-        f"Prefill in chunks of {res['prefill_step_size']} as mlx-lm's generate_step. Interval: 95% Wilson. "
-        "'lost' = prompts the plain cache (fp) answered right and the method did not; 'gained' = the reverse.\n",
+        f"{', '.join(f'{d:.0%}' for d in res['depths'])} of the haystack, {res['trials']} "
+        f"prompts per (task, length, depth), seed {res['seed']}; the same prompts for every "
+        f"method. Secret numbers of {res['digits']} digits; multikey: {res['keys']} needles, one "
+        f"asked. Greedy answer of {res['answer_tokens']} tokens after the primed answer start; "
+        "right = its first number is the secret. Prefill in chunks of "
+        f"{res['prefill_step_size']} as mlx-lm's generate_step. Interval: 95% Wilson. 'lost' = "
+        "prompts the plain cache (fp) answered right and the method did not; 'gained' = the "
+        "reverse.\n",
     ]
     for task in res["tasks"]:
         out += [
@@ -452,8 +461,8 @@ def markdown(res, meta_md):
     wrong = [r for r in res["records"] if not all(a["right"] for a in r["answers"].values())]
     if wrong:
         out += [
-            f"\nPrompts some method got wrong ({len(wrong)} of {len(res['records'])}; the first 60), each "
-            "method's answer where it was wrong:\n",
+            f"\nPrompts some method got wrong ({len(wrong)} of {len(res['records'])}; the first "
+            "60), each method's answer where it was wrong:\n",
             "| task | length | depth | trial | secret | " + " | ".join(methods) + " |",
             "|---|---|---|---|---|" + "---|" * len(methods),
         ]
@@ -467,9 +476,8 @@ def markdown(res, meta_md):
                 for m in methods
             ]
             out.append(
-                f"| {r['task']} | {r['length']} | {r['depth']:.0%} | {r['trial']} | {r['secret']} | "
-                + " | ".join(cells)
-                + " |"
+                f"| {r['task']} | {r['length']} | {r['depth']:.0%} | {r['trial']} | {r['secret']} "
+                "| " + " | ".join(cells) + " |"
             )
     return "\n".join(out) + "\n"
 

@@ -35,7 +35,8 @@ class Progress:
         dt = time.time() - self.t0
         eta = dt / self.n * (self.total - self.n) if self.n else 0
         sys.stderr.write(
-            f"\r{self.label:<14} [{'#' * f}{'.' * (w - f)}] {self.n}/{self.total} {dt:5.0f}s eta {eta:4.0f}s"
+            f"\r{self.label:<14} [{'#' * f}{'.' * (w - f)}] {self.n}/{self.total} {dt:5.0f}s eta "
+            f"{eta:4.0f}s"
         )
         if self.n >= self.total:
             sys.stderr.write("\n")
@@ -43,7 +44,8 @@ class Progress:
 
 
 def load_text(source):
-    """ "topics" (CPython's pydoc_data/topics.py), "licenses" (/usr/share/common-licenses, Debian) or a file."""
+    """ "topics" (CPython's pydoc_data/topics.py), "licenses" (/usr/share/common-licenses, Debian)
+    or a file."""
     if source == "topics":
         import pydoc_data.topics
 

