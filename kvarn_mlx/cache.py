@@ -232,8 +232,9 @@ class KVarNCache(BaseCache):
         """Quantize the whole tiles waiting in the tail (left by a short step); a
         tile quantized ahead into the room (room_tile) is only counted. A short
         step (L tokens) before the cache's turn (waiting_tiles.due) leaves them
-        waiting, as long as the tail stays under two tiles. As in one-token decoding, a short step's first query
-        row chooses the "auto" key rotation of tiles made here."""
+        waiting, as long as the tail stays under two tiles. As in one-token
+        decoding, a short step's first query row chooses the "auto" key rotation
+        of tiles made here."""
         G = self.config.group_size
         m = self.n_tail // G
         if m == 0:

@@ -35,7 +35,8 @@ class KVStats:
         self.prompt_caches = weakref.WeakSet()  # the LRUs whose entries count
         self.prompt_tokens = 0  # of requests the model ran (those the prompt cache held are not)
         # "now": the latest live figures, "peak": those with the most tokens held,
-        # "rows": (tokens, memory.sequence_summary figures) of each sequence decoded with KVarN caches.
+        # "rows": (tokens, memory.sequence_summary figures) of each sequence decoded with
+        # KVarN caches.
         self.live = {"now": None, "peak": None, "at": 0.0, "sequences": 0, "rows": []}
         self.prompts = OrderedDict()
         self.stored = deque(maxlen=STORED)
