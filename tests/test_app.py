@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from apps.chat.engine import ChatError, Engine
+from apps.chat.engine import Engine
+from kvarn_mlx.guard import Refused
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "tests" / "artifacts"
@@ -152,28 +153,28 @@ def test_engine_save_and_resume(engine, smollm, tmp_path):
     assert other.tokens == engine.tokens
     s, _ = run(other, resumed + [{"role": "user", "content": "And a vegetable?"}])
     assert s["reused"] >= engine.cache[0].offset - 1  # the loaded cache is reused, not recomputed
-    with pytest.raises(ChatError, match="no saved conversation"):
+    with pytest.raises(Refused, match="no saved conversation"):
         other.load(tmp_path / "missing.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"not a cache")
-    with pytest.raises(ChatError, match="cannot load"):
+    with pytest.raises(Refused, match="cannot load"):
         other.load(tmp_path / "junk.safetensors")
     # A file of another kind under the same name is never overwritten.
-    with pytest.raises(ChatError, match="refusing to overwrite"):
+    with pytest.raises(Refused, match="refusing to overwrite"):
         engine.save(tmp_path / "junk")
     assert (tmp_path / "junk.safetensors").read_bytes() == b"not a cache"
     assert engine.save(tmp_path / "chat") == path  # its own earlier save is replaced
 
 
 def test_engine_refuses_bad_turns(engine):
-    with pytest.raises(ChatError, match="empty message"):
+    with pytest.raises(Refused, match="empty message"):
         list(engine.chat([{"role": "user", "content": "  \n"}]))
-    with pytest.raises(ChatError, match="8192-token context"):
+    with pytest.raises(Refused, match="8192-token context"):
         list(engine.chat([{"role": "user", "content": " word" * 9000}]))
-    with pytest.raises(ChatError, match="last message"):
+    with pytest.raises(Refused, match="last message"):
         list(engine.chat([{"role": "assistant", "content": "hi"}]))
-    with pytest.raises(ChatError, match="unknown KVarN preset"):
+    with pytest.raises(Refused, match="unknown KVarN preset"):
         engine.use(preset="k3v3")
-    with pytest.raises(ChatError, match="unknown model"):
+    with pytest.raises(Refused, match="unknown model"):
         engine.use("no-such-model")
     run(engine, [{"role": "user", "content": "Still there?"}])
 

@@ -3,9 +3,10 @@
 import sys
 
 from kvarn_mlx.cli_support import INTERRUPTED, CtrlC, load_error
+from kvarn_mlx.guard import Refused
 from kvarn_mlx.loader import ModelLoadError
 
-from .engine import ChatError, Engine
+from .engine import Engine
 
 HELP = (
     "commands: /new (start over), /save FILE (/save! FILE replaces a file that is not a saved "
@@ -28,7 +29,7 @@ def run_cli(engine_kwargs, resume=None, inp=input, out=sys.stdout):
     print("loading the model...", file=out, flush=True)
     try:
         eng = Engine(**engine_kwargs)
-    except ChatError as e:
+    except Refused as e:
         print(f"error: {e}", file=out)
         return 1
     except (ModelLoadError, RuntimeError, OSError, ValueError) as e:
@@ -40,7 +41,7 @@ def run_cli(engine_kwargs, resume=None, inp=input, out=sys.stdout):
     if resume:
         try:
             messages = eng.load(resume)
-        except ChatError as e:
+        except Refused as e:
             print(f"error: {e}", file=out)
             return 1
         print(f"resumed {len(messages)} messages from {resume}", file=out)
@@ -94,7 +95,7 @@ def run_cli(engine_kwargs, resume=None, inp=input, out=sys.stdout):
                         messages = turn + [{"role": "assistant", "content": ev["text"]}]
                         stopped = "\n(stopped)" if ev["finish_reason"] == "cancelled" else ""
                         print(stopped + "\n" + stats_line(ev["stats"]), file=out, flush=True)
-        except ChatError as e:
+        except Refused as e:
             print(f"error: {e}", file=out)
         except KeyboardInterrupt:
             # A second Ctrl-C: the engine keeps its cache consistent; this turn is dropped.

@@ -18,10 +18,10 @@ from mlx_lm.sample_utils import make_sampler
 from kvarn_mlx import memory, prompt_cache
 from kvarn_mlx.cli_support import model_context
 from kvarn_mlx.config import DEFAULT_PRESET, preset_error
+from kvarn_mlx.guard import Refused
 from kvarn_mlx.integration import make_cache
 from kvarn_mlx.loader import DEFAULT_NAME, load
 
-from .errors import ChatError
 from .validate import check_messages
 
 
@@ -33,7 +33,7 @@ def model_id(spec):
 def check_preset(preset):
     """A preset name make_cache takes (kvarn_mlx.config.preset_error's rule)."""
     if preset_error(preset):
-        raise ChatError(preset_error(preset), code="invalid_preset", param="kv_preset")
+        raise Refused(preset_error(preset), code="invalid_preset", param="kv_preset")
     return preset
 
 
@@ -65,7 +65,7 @@ class Engine:
         name = name or self.name
         preset = check_preset(preset or self.preset)
         if name not in self.specs:
-            raise ChatError(
+            raise Refused(
                 f"unknown model {name!r}; this server has: {', '.join(self.specs)}",
                 code="model_not_found",
                 status=404,
@@ -122,14 +122,14 @@ class Engine:
         messages = check_messages(messages)
         ids = self.prompt_ids(messages)
         if self.context is not None and len(ids) >= self.context:
-            raise ChatError(
+            raise Refused(
                 f"the conversation is {len(ids)} tokens but {self.name} has a "
                 f"{self.context}-token context; shorten the message or start a new chat",
                 code="context_length_exceeded",
             )
         max_tokens = self.default_max_tokens if max_tokens is None else int(max_tokens)
         if max_tokens < 1:
-            raise ChatError("max_tokens must be at least 1", param="max_tokens")
+            raise Refused("max_tokens must be at least 1", param="max_tokens")
         if self.context is not None:
             max_tokens = min(max_tokens, self.context - len(ids))
         temp = self.default_temp if temp is None else float(temp)
@@ -245,20 +245,20 @@ class Engine:
         try:
             return prompt_cache.save(path, self.cache, self.identity(), meta, overwrite=overwrite)
         except prompt_cache.PromptCacheError as e:
-            raise ChatError(str(e), code="cannot_save", status=409) from None
+            raise Refused(str(e), code="cannot_save", status=409) from None
 
     def load(self, path):
         """Resume a conversation saved by save(); returns its messages. The
         current conversation is kept if the file cannot be used."""
         path = prompt_cache.cache_path(path)
         if not path.is_file():
-            raise ChatError(f"no saved conversation at {path}", status=404)
+            raise Refused(f"no saved conversation at {path}", status=404)
         try:
             name = prompt_cache.read_metadata(path).get("chat_model")
         except prompt_cache.PromptCacheError as e:
-            raise ChatError(f"cannot load {path}: {e}") from None
+            raise Refused(f"cannot load {path}: {e}") from None
         if name not in self.specs:
-            raise ChatError(
+            raise Refused(
                 f"cannot load {path}: it was saved with model {name!r}, which this server does not "
                 f"have (it has {', '.join(self.specs)}); start it with --model for that model"
             )
@@ -267,9 +267,9 @@ class Engine:
             cache, meta = prompt_cache.load(path, self.identity())
             messages, tokens = json.loads(meta["messages"]), json.loads(meta["tokens"])
         except (prompt_cache.PromptCacheError, KeyError, ValueError) as e:
-            raise ChatError(f"cannot load {path}: {e}") from None
+            raise Refused(f"cannot load {path}: {e}") from None
         if cache[0].offset != len(tokens):
-            raise ChatError(
+            raise Refused(
                 f"cannot load {path}: its cache holds {cache[0].offset} tokens but it lists "
                 f"{len(tokens)}; the file is damaged"
             )
