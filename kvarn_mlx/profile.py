@@ -15,14 +15,13 @@ whose message names the problem and the fix.
 import hashlib
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .atomic_json import write_json
 from .config import SUPPORTED_BITS, KVarNConfig
 
 FORMAT = "kvarn-mlx-profile"
@@ -254,18 +253,4 @@ def write(path, p) -> Path:
     """Write profile p to `path` atomically (a temp file in the same folder, then a rename)."""
     validate(p)
     path = check_writable(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(p, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_json(path, p)

@@ -20,12 +20,12 @@ import json
 import logging
 import os
 import platform
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 
 from . import attention, dispatch, kernels, prefill
+from .atomic_json import write_json
 from .embedded.folders import home
 
 log = logging.getLogger("kvarn_mlx.tuning")
@@ -185,18 +185,4 @@ def write(path, device, choices, figures) -> Path:
         "choices": choices,
         "figures": figures,
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_json(path, data)
