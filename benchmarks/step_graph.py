@@ -52,6 +52,9 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_speed import fill  # noqa: E402
+
 from kvarn_mlx import dispatch, waiting_tiles  # noqa: E402
 from kvarn_mlx.batch_cache import BatchKVarNCache  # noqa: E402
 from kvarn_mlx.cache import KVarNCache  # noqa: E402
@@ -143,23 +146,6 @@ def metal_graph():
 
 def make(model, name):
     return mlx_cache.make_prompt_cache(model) if name == PLAIN else make_cache(model, name)
-
-
-def fill(caches, H, D, n, chunk=1024, seed=0):
-    """Append n random tokens to every layer's cache and evaluate what it holds."""
-    key = mx.random.key(seed)
-    for s in range(0, n, chunk):
-        m = min(chunk, n - s)
-        key, k1, k2 = mx.random.split(key, 3)
-        k = mx.random.normal((1, H, m, D), key=k1)
-        v = mx.random.normal((1, H, m, D), key=k2)
-        for c in caches:
-            out = c.update_and_fetch(k, v)
-            mx.eval(
-                [x for x in c.state.values() if isinstance(x, mx.array)]
-                if isinstance(c, KVarNCache)
-                else out
-            )
 
 
 def row_lengths(ctx, rows):
