@@ -12,8 +12,8 @@ from .. import budget
 from ..cli_support import flag
 from ..config import DEFAULT_PRESET, FP16, PRESETS, preset_error
 from ..profile import from_settings
-from . import hooks
 from .handler import APIHandler
+from .hooks import install
 
 API_KEY_ENV = "KVARN_API_KEY"
 
@@ -135,7 +135,7 @@ def main(argv=None, handler=APIHandler, parser=None):
         rest = resolve_model(rest)
     # mlx-lm's --allowed-origins sets its CORS headers: the same list as ours.
     rest += ["--allowed-origins", ",".join(ours.allowed_origins)]
-    hooks.install(ours, handler)
+    install(ours, handler)
     sys.argv = [parser.prog, *rest]
     mlx_server.main()
 

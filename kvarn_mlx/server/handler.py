@@ -18,7 +18,9 @@ from .. import guard
 from ..config import DEFAULT_PRESET
 from ..integration import profile_mix
 from ..profile import from_settings
-from . import http_io, request_fields, served_models
+from .http_io import check_request, parse_json, read_body, send_error, send_json
+from .request_fields import check as check_fields
+from .served_models import find_model, model_for, model_list, names, served_id
 
 STATS_PATH = "/v1/kv_stats"
 MODELS_PATH = "/v1/models"
@@ -44,14 +46,14 @@ class APIHandler(mlx_server.APIHandler):
     def refused(self, post, public=False):
         """Answer and return True if the request breaks a rule of kvarn_mlx.guard."""
         try:
-            http_io.check_request(self, self.settings, post, public)
+            check_request(self, self.settings, post, public)
         except guard.Refused as e:
-            http_io.send_error(self, e)
+            send_error(self, e)
             return True
         return False
 
     def send_json(self, data, status=200):
-        http_io.send_json(self, data, status, self.settings.allowed_origins)
+        send_json(self, data, status, self.settings.allowed_origins)
 
     # -- completions (POST) --------------------------------------------------------------
 
@@ -59,11 +61,11 @@ class APIHandler(mlx_server.APIHandler):
         if self.refused(post=True):
             return
         try:
-            body = http_io.read_body(self)
+            body = read_body(self)
             if self.path in COMPLETIONS:
                 body = self.check_completion(body, chat=COMPLETIONS[self.path])
         except guard.Refused as e:
-            return http_io.send_error(self, e)
+            return send_error(self, e)
         rfile, self.rfile = self.rfile, io.BytesIO(body)  # mlx-lm reads the body again
         self.headers.replace_header("Content-Length", str(len(body)))  # check_completion rewrote it
         try:
@@ -75,11 +77,9 @@ class APIHandler(mlx_server.APIHandler):
         """The completion request's body, parsed (http_io.parse_json), its fields
         checked (request_fields) and its "model" the name mlx-lm loads:
         "default_model" for the served model (served_models.model_for)."""
-        data = request_fields.check(http_io.parse_json(body), chat=chat)
+        data = check_fields(parse_json(body), chat=chat)
         self.reply_model = data.get("model") or self.served_model()
-        data["model"] = served_models.model_for(
-            data.get("model"), self.served_model(), self.model_names()
-        )
+        data["model"] = model_for(data.get("model"), self.served_model(), self.model_names())
         return json.dumps(data).encode()
 
     def handle_completion(self, request, stop_words):
@@ -112,21 +112,21 @@ class APIHandler(mlx_server.APIHandler):
 
     def served_model(self):
         """The id /v1/models lists for the model this server serves."""
-        return served_models.served_id(self.model_spec())
+        return served_id(self.model_spec())
 
     def model_names(self):
         """Every name a request may give the served model."""
-        return served_models.names(self.model_spec(), self.response_generator.cli_args.model)
+        return names(self.model_spec(), self.response_generator.cli_args.model)
 
     def send_models(self, model_id):
         """/v1/models (model_id ""), or /v1/models/{model_id}."""
         started = getattr(self.settings, "started", self.created)
         try:
             if not model_id:
-                return self.send_json(served_models.model_list(self.served_model(), started))
-            self.send_json(served_models.find_model(model_id, self.served_model(), started))
+                return self.send_json(model_list(self.served_model(), started))
+            self.send_json(find_model(model_id, self.served_model(), started))
         except guard.Refused as e:
-            http_io.send_error(self, e)
+            send_error(self, e)
 
     # -- GET, OPTIONS ---------------------------------------------------------------------
 
