@@ -97,9 +97,9 @@ class KVarNCache(BaseCache):
         self.room_tile = None
         # (waiting_tiles.stamp, Tiles): the waiting tiles, quantized in another cache's commit.
         self.batched = None
-        # The update at which waiting tiles are committed (waiting_tiles.register, due):
-        # after `commit_turn` updates; `waited` counts them.
-        self.commit_turn, self.waited = None, 0
+        # Updates left before the waiting tiles are committed (waiting_tiles.register,
+        # due); None: no turn given, commit at the next update.
+        self.commit_in = None
         self.n_sink = self.n_tail = 0
         self.sink_k = self.sink_v = self.tail_k = self.tail_v = None
         self.tiles = None
@@ -240,9 +240,9 @@ class KVarNCache(BaseCache):
         if m == 0:
             return
         if short and not self.room_tile and self.n_tail + L < 2 * G and not waiting_tiles.due(self):
-            self.waited += 1
+            self.commit_in -= 1
             return
-        self.commit_turn = None
+        self.commit_in = None
         k, v = self.tail_k[..., : self.n_tail, :], self.tail_v[..., : self.n_tail, :]
         if self.room_tile:
             self.tiles.count += 1
@@ -442,7 +442,7 @@ class KVarNCache(BaseCache):
         if self.key_candidates is not None:
             self.decide_key_rotation()
         keep = self.offset - n
-        self.batched, self.commit_turn = None, None
+        self.batched, self.commit_in = None, None
         S, G = self.config.sink_size, self.config.group_size
         # A room tile needs its tokens, and one that chose the rotation the token whose
         # query chose it (else the next tile's first query chooses).

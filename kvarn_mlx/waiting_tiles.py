@@ -51,22 +51,22 @@ MAX_WAIT = 32
 
 def register(cache):
     """cache's tail holds whole tiles that one of its next updates commits. Its
-    first registration for these tiles gives it its turn (cache.commit_turn):
+    first registration for these tiles gives it its turn (cache.commit_in):
     after the caches still waiting, PER_STEP a step."""
     waiting = _local.__dict__.setdefault("waiting", [])
-    if cache.commit_turn is None:
+    if cache.commit_in is None:
         waiting[:] = [
             (r, s)
             for r, s in waiting
             if (c := r()) is not None and c is not cache and s == stamp(c)
         ]
-        cache.commit_turn, cache.waited = min(len(waiting) // PER_STEP, MAX_WAIT), 0
+        cache.commit_in = min(len(waiting) // PER_STEP, MAX_WAIT)
     waiting.append((weakref.ref(cache), stamp(cache)))
 
 
 def due(cache):
     """Whether cache's waiting tiles are quantized at this update (else it waits)."""
-    return cache.commit_turn is None or cache.waited >= cache.commit_turn
+    return cache.commit_in is None or cache.commit_in <= 0
 
 
 def take(cache) -> Tiles | None:
