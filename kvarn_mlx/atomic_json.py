@@ -1,6 +1,6 @@
-"""Writing a JSON file atomically: a temp file in the same folder, flushed to
-disk, then renamed over the target, so a reader never sees half a file and a
-crash never leaves one."""
+"""Writing a JSON file of ours atomically: a temp file in the same folder,
+flushed to disk, then renamed over the target, so a reader never sees half a
+file and a crash never leaves one; and never over a file that is not ours."""
 
 import json
 import os
@@ -25,4 +25,20 @@ def write_json(path, data) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return path
+
+
+def check_target(path, is_ours, what, error=ValueError, fix="Pass another file name") -> Path:
+    """The path, once a `what` (e.g. "profile") can be written there: its folder
+    exists, it is no folder, and any file already there passes is_ours(path).
+    Raises `error` naming the problem and the fix; call it before long work."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise error(f"cannot write the {what} to {path}: it is a folder; pass a file name")
+    if not path.parent.is_dir():
+        raise error(
+            f"cannot write the {what} to {path}: {path.parent} is not a folder; create it first"
+        )
+    if path.exists() and not is_ours(path):
+        raise error(f"{path} exists and is not a kvarn-mlx {what}; refusing to overwrite it. {fix}")
     return path

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .atomic_json import write_json
+from .atomic_json import check_target, write_json
 from .config import SUPPORTED_BITS, KVarNConfig
 
 FORMAT = "kvarn-mlx-profile"
@@ -232,21 +232,8 @@ def is_profile(path) -> bool:
 
 
 def check_writable(path) -> Path:
-    """The path, once a profile can be written there: its folder exists and any
-    file already there is a profile (call it before the long measurement)."""
-    path = Path(path).expanduser()
-    if not path.parent.is_dir():
-        raise ProfileError(
-            f"cannot write the profile to {path}: {path.parent} is not a folder; create it first"
-        )
-    if path.is_dir():
-        raise ProfileError(f"cannot write the profile to {path}: it is a folder; pass a file name")
-    if path.exists() and not is_profile(path):
-        raise ProfileError(
-            f"{path} exists and is not a kvarn-mlx profile; refusing to overwrite it. "
-            "Pass another file name"
-        )
-    return path
+    """The path, once a profile can be written there (call it before the long measurement)."""
+    return check_target(path, is_profile, "profile", ProfileError)
 
 
 def write(path, p) -> Path:

@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import attention, dispatch, kernels, prefill
-from .atomic_json import write_json
+from .atomic_json import check_target, write_json
 from .embedded.folders import home
 
 log = logging.getLogger("kvarn_mlx.tuning")
@@ -147,30 +147,18 @@ def apply(path=None) -> dict | None:
     return data["choices"]
 
 
+def is_tuning_file(path) -> bool:
+    try:
+        return json.loads(Path(path).read_text()).get("kind") == KIND
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False
+
+
 def check_writable(path) -> Path:
-    """The path, once a tuning file can be written there: its folder exists and
-    any file already there is a tuning file (checked before measuring)."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        raise TuningError(
-            f"cannot write the tuning file to {path}: it is a folder; pass a file name"
-        )
-    if not path.parent.is_dir():
-        raise TuningError(
-            f"cannot write the tuning file to {path}: {path.parent} is not a folder; create it "
-            "first"
-        )
-    if path.exists():
-        try:
-            ours = json.loads(path.read_text()).get("kind") == KIND
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-            ours = False
-        if not ours:
-            raise TuningError(
-                f"{path} exists and is not a kvarn-mlx tuning file; refusing to overwrite it. Pass "
-                "another file name with --out"
-            )
-    return path
+    """The path, once a tuning file can be written there (checked before measuring)."""
+    return check_target(
+        path, is_tuning_file, "tuning file", TuningError, "Pass another file name with --out"
+    )
 
 
 def write(path, device, choices, figures) -> Path:
