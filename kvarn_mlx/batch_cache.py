@@ -7,19 +7,29 @@ columns [left_padding[b], _idx), and while a right-padded prompt is processed
 before the padding. This cache keeps that bookkeeping and, per row, one
 single-sequence KVarNCache holding only the row's real tokens: padding never
 enters a sink, a tile or its statistics, each sequence keeps its own sink and
-tile boundaries at its own token positions, and the tiles, quantizer and bytes
-are those of the single cache. Attention runs per row over the row's cache.
+tile boundaries at its own token positions, and the tiles, quantizer and bits
+are those of the single cache.
+
+The rows' tiles live side by side in one storage (batch_tiles.py), written once
+per tile, so a decode step (one token per row) attends over every row in one
+graph: the shared tiles up to the longest row's count, the sinks and recent
+tokens padded to the longest row's, and a mask of each row's own columns, as
+mlx-lm's BatchKVCache masks its left padding. Longer query chunks (prompts)
+attend per row over the row's cache.
 """
 
 import copy
 import weakref
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.base import create_causal_mask
 
-from . import attention
+from . import attention, batch_tiles
+from .batch_tiles import RowTiles
 from .cache import KVarNCache
 from .mlx_lm_private import BaseCache
+from .tiles import StepView, TileStorage
 
 # Masks this module made for full causal attention over the batch layout:
 # attention recognizes them (by identity) and runs each row causally on its
@@ -42,6 +52,8 @@ class BatchKVarNCache(BaseCache):
         # per row, the query positions [s, e) of the last update that were its own
         self._spans = None
         self._v_dim = None
+        self._tiles = _share_tiles(self.rows)
+        self._flags = (None, None)  # the rows' key rotation flags -> their [B, H] array
 
     @classmethod
     def merge(cls, caches):
@@ -162,6 +174,14 @@ class BatchKVarNCache(BaseCache):
         if self._spans is None or len(self._spans) != B:
             raise RuntimeError("BatchKVarNCache.attention runs right after update_and_fetch")
         causal = mask is None or isinstance(mask, str) or _causal_masks.get(id(mask)) is mask
+        if (
+            causal
+            and L == 1
+            and self._tiles is not None
+            and all(sp == (0, 1) for sp in self._spans)
+            and all(r.key_candidates is None for r in self.rows)
+        ):
+            return self._attend_together(queries, scale, sinks)
         zeros = mx.zeros((1, Hq, L, self._v_dim), queries.dtype)
         out = []
         for b, (row, (s, e)) in enumerate(zip(self.rows, self._spans)):
@@ -175,6 +195,52 @@ class BatchKVarNCache(BaseCache):
             o = attention.packed_attention(queries[b : b + 1, :, s:e], row, scale, m, sinks)
             out.append(mx.pad(o, [(0, 0), (0, 0), (s, L - e), (0, 0)]) if e - s < L else o)
         return mx.concatenate(out, axis=0)
+
+    def _attend_together(self, queries, scale, sinks):
+        """One decode step of every row in one graph: the shared tiles [0, most
+        tiles of a row), each row's sink and recent tokens padded to the longest,
+        and a mask of each row's own columns."""
+        views = [r.step_view() for r in self.rows]
+        sinks_n = tuple(v.sink_k.shape[2] for v in views)
+        tiles_n = tuple(v.n_tiles for v in views)
+        recent_n = tuple(v.recent_k.shape[2] for v in views)
+        storage = self._tiles.storage
+        n = max(tiles_n)
+        v0 = views[0]
+        view = StepView(
+            _padded([v.sink_k for v in views], max(sinks_n)),
+            _padded([v.sink_v for v in views], max(sinks_n)),
+            TileStorage(*storage.arrays(), count=n) if n else None,
+            n,
+            _padded([v.recent_k for v in views], max(recent_n)),
+            _padded([v.recent_v for v in views], max(recent_n)),
+            v0.k_bits,
+            v0.v_bits,
+            self._rotate_k([v.rotate_k for v in views], v0.sink_k.shape[1]),
+            v0.rotate_v,
+        )
+        G = self.rows[0].config.group_size
+        out = attention.attend(
+            queries, view, scale, _own_columns(sinks_n, tiles_n, recent_n, G), sinks
+        )
+        if any(r.n_tiles > v.n_tiles for r, v in zip(self.rows, views)):
+            # as attention.packed_attention: the tiles quantized in this step are
+            # written when the step's output is evaluated
+            out = mx.depends(out, list(storage.arrays()))
+        return out
+
+    def _rotate_k(self, flags, H):
+        """The rows' key rotation flags: one bool if they agree, else [B, H] (kept
+        while the rows' flags are the same objects)."""
+        if all(isinstance(f, bool) for f in flags) and len(set(flags)) == 1:
+            return flags[0]
+        held, array = self._flags
+        if held is None or len(held) != len(flags) or any(a is not b for a, b in zip(held, flags)):
+            array = mx.stack(
+                [f if isinstance(f, mx.array) else mx.full((H,), f, mx.bool_) for f in flags]
+            )
+            self._flags = (flags, array)
+        return array
 
     def _row_mask(self, mask, b, s, e):
         """Row b's part of a mask over the batch layout: its queries [s, e) and
@@ -194,6 +260,7 @@ class BatchKVarNCache(BaseCache):
         if self._limit is not None:
             self._limit = [self._limit[i] for i in idx]
         self._spans = None
+        self._tiles = _share_tiles(self.rows)
         shift = min(self._left, default=0)
         if shift > 0:
             self._left = [lp - shift for lp in self._left]
@@ -218,6 +285,7 @@ class BatchKVarNCache(BaseCache):
         self.rows = self.rows + other.rows
         self._left, self._idx = left, idx
         self._spans = None
+        self._tiles = _share_tiles(self.rows)
         self._v_dim = self._v_dim or other._v_dim
 
     def extract(self, idx):
@@ -252,11 +320,78 @@ class BatchKVarNCache(BaseCache):
             raise ValueError("corrupt BatchKVarNCache state: padding and row token counts disagree")
 
 
+# Settings that give tiles their shapes and dtypes: rows that agree share one storage.
+_TILE_SETTINGS = ("k_bits", "v_bits", "group_size", "scale_dtype")
+
+
+def _share_tiles(rows):
+    """Rows of one kind (plain KVarNCaches, the same tile settings) keep their
+    tiles in one BatchTiles (copied once); None: each keeps its own storage, and
+    attention runs per row (subclasses may store tiles their own way)."""
+    kinds = {(type(r), *(getattr(r.config, f) for f in _TILE_SETTINGS)) for r in rows}
+    if len(kinds) != 1 or type(rows[0]) is not KVarNCache:
+        for r in rows:
+            if isinstance(r.tiles, RowTiles):
+                r.tiles = r.tiles.alone()
+        return None
+    for r in rows:
+        if isinstance(r.tiles, RowTiles):
+            r.tiles = r.tiles.alone()
+    shared = batch_tiles.join([r.tiles for r in rows])
+    for r, t in zip(rows, shared.rows):
+        r.tiles = t
+    return shared
+
+
+# (sink, tiles, recent tokens per row, G) -> the mask of a one-graph step; the
+# layers of a step share one (a few differ while their tiles wait for a commit).
+_masks = {}
+
+
+def _own_columns(sinks_n, tiles_n, recent_n, G):
+    """[B, 1, 1, columns] True at each row's own sink, tile and recent columns of a
+    one-graph step; None if every row has them all."""
+    if len(set(sinks_n)) == len(set(tiles_n)) == len(set(recent_n)) == 1:
+        return None
+    key = (sinks_n, tiles_n, recent_n, G)
+    if key not in _masks:
+        if len(_masks) > 64:
+            _masks.clear()
+        S, n, R = max(sinks_n), max(tiles_n), max(recent_n)
+        own = np.zeros((len(sinks_n), S + n * G + R), bool)
+        for b, (s, t, r) in enumerate(zip(sinks_n, tiles_n, recent_n)):
+            own[b, :s] = True
+            own[b, S : S + t * G] = True
+            own[b, S + n * G : S + n * G + r] = True
+        _masks[key] = mx.array(own[:, None, None, :])
+    return _masks[key]
+
+
+def _padded(xs, n):
+    """Rows [1, H, <=n, D] as one [B, H, n, D], zeros after each row's own tokens."""
+    return mx.concatenate(
+        [
+            x if x.shape[2] == n else mx.pad(x, [(0, 0), (0, 0), (0, n - x.shape[2]), (0, 0)])
+            for x in xs
+        ]
+    )
+
+
 def _detached(cache):
     """A copy of a KVarNCache that shares no array object with it. MLX arrays
     are immutable values under their Python handles: deepcopy copies handles,
-    not data, and in-place updates of one copy leave the other as it was."""
-    c = copy.deepcopy(cache)
+    not data, and in-place updates of one copy leave the other as it was. A
+    batch row's tiles come back as its own storage, as the single cache holds them."""
+    tiles = cache.tiles
+    if isinstance(tiles, RowTiles):
+        cache.tiles = None
+        try:
+            c = copy.deepcopy(cache)
+        finally:
+            cache.tiles = tiles
+        c.tiles = tiles.alone()
+    else:
+        c = copy.deepcopy(cache)
     c._step = None  # the step of the cache copied from, not this one's
     return c
 

@@ -76,9 +76,11 @@ _HT = {}
 
 
 def rotated_where(flag, x, fn):
-    """fn(x) where flag says so: flag is a bool, or a per-kv-head bool array for x [B, H, ...]."""
+    """fn(x) where flag says so: flag is a bool, or a bool array per kv head [H] or per
+    batch row and kv head [B, H], for x [B, H, ...]."""
     if isinstance(flag, mx.array):
-        return mx.where(flag.reshape(1, -1, *([1] * (x.ndim - 2))), fn(x), x)
+        lead = flag.shape if flag.ndim == 2 else (1, -1)
+        return mx.where(flag.reshape(*lead, *([1] * (x.ndim - 2))), fn(x), x)
     return fn(x) if flag else x
 
 

@@ -145,6 +145,8 @@ def append(storage, new: Tiles, step):
     Grows by what a prefill needs or `step` tiles, whichever is more: at most
     step - 1 tiles of room, and growing copies the tiles once per step tiles,
     while every decode step's attention reads all of them."""
+    if storage is not None and not isinstance(storage, TileStorage):
+        return storage.append(new, step)  # a batch row's tiles (batch_tiles.RowTiles)
     count = 0 if storage is None else storage.count
     need = count + new.count
     capacity = 0 if storage is None else storage.capacity

@@ -21,7 +21,7 @@ import kvarn_mlx
 from kvarn_mlx import attention, dispatch
 from kvarn_mlx.batch_cache import BatchKVarNCache
 from kvarn_mlx.cache import KVarNCache
-from kvarn_mlx.config import KVarNConfig
+from kvarn_mlx.config import KVarNConfig, get_preset
 from kvarn_mlx.integration import make_cache
 from models import tiny_model, tokenizer, tokens
 
@@ -38,10 +38,10 @@ def randn(*shape, seed):
 class Run:
     """A BatchKVarNCache and, per row, a single KVarNCache fed the same real tokens."""
 
-    def __init__(self, prefixes, seed=0):
+    def __init__(self, prefixes, seed=0, configs=None):
         self.singles = []
         for i, n in enumerate(prefixes):
-            c = KVarNCache(CFG)
+            c = KVarNCache(CFG if configs is None else configs[i])
             if n:
                 c.update_and_fetch(
                     randn(1, H, n, D, seed=seed + i), randn(1, H, n, D, seed=seed + 50 + i)
@@ -82,8 +82,10 @@ class Run:
             assert not row[:, :s].any() and not row[:, e:].any(), (
                 f"row {b}: padding positions are not zero"
             )
-            if want[b] is not None:
-                np.testing.assert_array_equal(row[:, s:e], np.array(want[b][0]), err_msg=f"row {b}")
+            if want[b] is not None:  # a decode step attends over all rows at once
+                np.testing.assert_allclose(
+                    row[:, s:e], np.array(want[b][0]), rtol=1e-5, atol=2e-6, err_msg=f"row {b}"
+                )
         return got
 
     def prompt(self, lengths, chunk=None):
@@ -107,7 +109,15 @@ class Run:
         assert b.left_padding.tolist() == [b.size() - c.offset for c in self.singles]
         for i, c in enumerate(self.singles):
             assert_same_cache(b.extract(i), c)
-        assert b.nbytes == sum(c.nbytes for c in self.singles)
+        # The batch holds the rows' sinks and tails and one tile storage for all rows
+        # (room up to the longest row's tiles, as mlx-lm's batch caches pad).
+        dense = [x for r in b.rows for x in (r.sink_k, r.sink_v, r.tail_k, r.tail_v)]
+        if b._tiles is None:  # rows of other settings: each its own storage
+            tiles = sum(r.tiles.nbytes for r in b.rows if r.tiles is not None)
+        else:
+            tiles = 0 if b._tiles.storage is None else b._tiles.storage.nbytes
+        assert b.nbytes == sum(x.nbytes for x in dense if x is not None) + tiles
+        assert b.nbytes >= sum(c.nbytes - c.nbytes_breakdown()["unused"] for c in self.singles)
 
 
 def assert_same_cache(a, b, held=True):
@@ -161,6 +171,58 @@ def test_filter_extend_extract_move_tiles_without_quantizing(monkeypatch):
     run.check()
     monkeypatch.undo()
     run.decode(3)  # goes on exactly
+    run.check()
+
+
+def test_decode_attends_over_all_rows_in_one_graph(monkeypatch):
+    # Rows of different lengths cross tile boundaries at different steps, commit
+    # them at different turns, and join and leave: each decode step is one
+    # attention call over all rows, equal to each row's own (Run.step), and the
+    # rows hold what their single caches hold (Run.check).
+    calls = []
+    attend = attention.attend
+    monkeypatch.setattr(
+        attention, "attend", lambda q, *a, **k: calls.append(q.shape[0]) or attend(q, *a, **k)
+    )
+    run = Run([300, 90, 16, 200])
+    run.decode(70)
+    assert [b for b in calls if b > 1] == [4] * 70  # (the single caches attend with 1 row)
+    run.check()
+    assert [c.n_tiles for c in run.singles] == [5, 2, 1, 3]
+    run.batch.filter([3, 1])
+    run.singles = [run.singles[3], run.singles[1]]
+    other = Run([5, 140], seed=9)
+    run.batch.extend(other.batch)
+    run.singles += other.singles
+    calls.clear()
+    run.decode(60)
+    assert [b for b in calls if b > 1] == [4] * 60
+    run.check()
+    run.batch.trim(3)
+    for c in run.singles:
+        c.trim(3)
+    run.decode(5)
+    run.check()
+
+
+@pytest.mark.parametrize("preset,scales", [("auto4v2", "float16"), ("k2v2_g128", "fp8")])
+def test_one_graph_decode_with_per_head_rotation_and_fp8_scales(preset, scales):
+    # auto4v2: each row chooses its keys' rotation per kv head with its own queries
+    # (rows differ: the step attends with [B, H] flags); fp8 scales are e4m3
+    # bytes, which the shared storage keeps as they are.
+    cfg = get_preset(preset, group_size=64, sink=16, scale_dtype=scales)
+    run = Run([70, 150, 10], configs=[cfg] * 3)
+    run.decode(80)
+    run.check()
+    flags = [c.rotate_k for c in run.batch.rows]
+    assert all(isinstance(f, mx.array) for f in flags) or preset != "auto4v2"
+
+
+def test_rows_of_other_settings_attend_per_row():
+    # Rows whose tiles differ in shape cannot share one storage: each keeps its own.
+    run = Run([100, 90], configs=[CFG, KVarNConfig(k_bits=2, v_bits=4, group_size=64, sink=16)])
+    assert run.batch._tiles is None
+    run.decode(40)
     run.check()
 
 
@@ -443,9 +505,10 @@ def test_batch_generate_on_the_embedded_model(smollm):
 
 
 @pytest.mark.emulator
-def test_metal_kernels_run_per_row(monkeypatch):
-    # The rows' decode steps reach the Metal attention kernel (a device, or the MSL
-    # emulator on Linux) and give the ops path's tokens.
+def test_metal_backend_decodes_the_batch_in_one_graph(monkeypatch):
+    # With the Metal backend on (a device, or the MSL emulator on Linux), a batch
+    # gives the ops path's tokens. Its decode steps attend over all rows in one
+    # graph of MLX ops: the attention kernel takes one length for every row.
     import metal_emulator
     from kvarn_mlx import kernels
 
@@ -467,6 +530,10 @@ def test_metal_kernels_run_per_row(monkeypatch):
     calls = []
     kernel = kernels.packed_attention_metal
     monkeypatch.setattr(kernels, "packed_attention_metal", lambda *a: calls.append(1) or kernel(*a))
+    attend = attention.attend
+    monkeypatch.setattr(
+        attention, "attend", lambda q, *a, **k: calls.append(q.shape[0]) or attend(q, *a, **k)
+    )
     monkeypatch.setattr(dispatch, "_backend", "auto")
     with contextlib.ExitStack() as stack:
         if mslemu is not None:
@@ -481,5 +548,6 @@ def test_metal_kernels_run_per_row(monkeypatch):
             return_token_ids=True,
         ).token_ids
     assert [len(g) for g in got] == [12, 12]
-    assert len(calls) >= 2 * 2 * 11  # two layers, two rows (each with a tile), the decode steps
+    # two layers, every decode step, both rows in one call, no kernel call
+    assert set(calls) == {2} and len(calls) >= 2 * 11
     assert got == want
