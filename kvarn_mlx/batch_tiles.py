@@ -16,7 +16,7 @@ single cache would hold it, bit for bit and byte for byte.
 
 import mlx.core as mx
 
-from .tiles import ARRAYS, Tiles, TileStorage, keep_derived
+from .tiles import ARRAYS, Tiles, TileStorage, grown_capacity, keep_derived
 
 
 class BatchTiles:
@@ -27,12 +27,12 @@ class BatchTiles:
         self.rows = rows
 
     def reserve(self, need, step, like: Tiles):
-        """Room for `need` tiles in every row: grown by at least `step` tiles
+        """Room for `need` tiles in every row: a whole number of `step` tiles
         (one copy per `step` tiles, as tiles.append)."""
         cap = 0 if self.storage is None else self.storage.capacity
         if need <= cap:
             return
-        grown = max(need, cap + step)
+        grown = grown_capacity(need, step)
         if self.storage is None:
             B = len(self.rows)
             arrays = [
@@ -94,7 +94,7 @@ class RowTiles:
         """tiles.append for a batch row: the new tiles after its valid ones."""
         need = self.count + new.count
         if need > self.alone_capacity:
-            self.alone_capacity = max(need, self.alone_capacity + step)
+            self.alone_capacity = grown_capacity(need, step)
         self.batch.reserve(need, step, new)
         self.write(self.count, new.arrays())
         self.count = need

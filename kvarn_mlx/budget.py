@@ -6,8 +6,8 @@ fit the budget. The most a step allocates per layer comes from the byte
 models (byte_models.py), the caches' own growth rules measured on real caches:
   KVCache, QuantizedKVCache,  one room step (`step` tokens) per `step` tokens
   RotatingKVCache             of the step, rounded up
-  KVarNCache                  one growth of the tile storage (step_tiles tiles, or the
-                              step's own tiles plus one a short step left waiting), and
+  KVarNCache                  one growth of the tile storage (the step's own tiles plus
+                              one a short step left waiting, rounded up to step_tiles), and
                               the step's tokens in the sink or the tail plus one tail step
   recurrent caches            nothing (their state has a fixed size)
 A step that needs no new room allocates less than this bound, so the budget
@@ -55,7 +55,8 @@ def step_allocation(m, L):
     if isinstance(m, (byte_models.Steps, byte_models.Window)):
         return m.token_bytes * m.step * math.ceil(L / m.step)
     if isinstance(m, byte_models.SinkTilesTail):
-        tiles = max(m.step_tiles, L // m.group + 2)
+        # Capacity is a whole number of step_tiles tiles (tiles.append).
+        tiles = -(-(L // m.group + 2) // m.step_tiles) * m.step_tiles
         # Sink and tail hold tokens in the model's dtype; a step puts at most
         # S + G of its tokens there (the rest goes into tiles), and a new tail
         # buffer rounds its tokens up to one tail step.

@@ -11,9 +11,10 @@ layer's growth rule carries the bytes to any context:
   RotatingKVCache            at most the window while decoding; while a prompt
                              longer than the window is prefilled, window - 1 plus
                              one prefill chunk (Window)
-  KVarNCache                 the sink, the tiles plus up to step_tiles - 1 tiles of
-                             room, and a tail buffer rounded up to tail_step tokens
-                             (SinkTilesTail)
+  KVarNCache                 the sink, the tile storage (a whole number of step_tiles
+                             tiles) and a tail buffer rounded up to tail_step tokens:
+                             under a tile, or a tile and up to tail_step tokens while
+                             a finished tile waits for its commit turn (SinkTilesTail)
   other (recurrent) caches   the fixed state the model made for one token (Fixed)
 Room depends on the order the tokens came in (prompt chunks, decode steps); peak(n)
 is the most any order leaves.
@@ -173,8 +174,10 @@ class Window:
 
 @dataclass(frozen=True)
 class SinkTilesTail:
-    """KVarNCache: sink tokens, tiles of `group` tokens with up to step_tiles - 1
-    tiles of room, and a tail buffer of fewer than `group` tokens grown tail_step at a time."""
+    """KVarNCache: sink tokens, a tile storage whose capacity is the most tiles held
+    rounded up to step_tiles, and a tail buffer grown tail_step tokens at a time.
+    The tail holds under a tile, or, while a tile a short step finished waits for
+    its commit turn (waiting_tiles.py), that tile and up to tail_step tokens more."""
 
     sink_token_bytes: int
     tile_bytes: int
@@ -186,23 +189,20 @@ class SinkTilesTail:
 
     per_token = property(lambda self: self.tile_bytes / self.group)
 
-    def held(self, n):
-        s = min(n, self.sink)
-        tiles, tail = divmod(n - s, self.group)
-        capacity = tiles + self.step_tiles - 1 if tiles else 0
-        return (
-            s * self.sink_token_bytes
-            + capacity * self.tile_bytes
-            + self.tail_step_bytes * (_round_up(tail, self.tail_step) // self.tail_step)
-        )
-
     def peak(self, n):
-        """The most held at any count up to n: the tail empties into a tile at every
-        tile boundary, so the previous boundary's full tail may hold more than now."""
-        tiles = max(0, n - self.sink) // self.group
-        if tiles == 0:
-            return self.held(n)
-        return max(self.held(n), self.held(self.sink + tiles * self.group - 1))
+        """The most held at any step up to n tokens, whatever their order: every tile
+        that can be finished by then in the storage's capacity, and the tail at its
+        largest, a waiting tile and tail_step tokens (once n gets there). Each part
+        grows with n, so this is the state at n where the order gives the most."""
+        sink = min(n, self.sink)
+        rest = n - sink
+        tiles = _round_up(rest // self.group, self.step_tiles)
+        tail = _round_up(min(rest, self.group + self.tail_step), self.tail_step)
+        return (
+            sink * self.sink_token_bytes
+            + tiles * self.tile_bytes
+            + tail // self.tail_step * self.tail_step_bytes
+        )
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def sink_tiles_tail_of(config, layer):
     sink = held(S) if S else 0
     one_step = held(S + step * G)  # sink + step_tiles tiles, no room, empty tail
     two_steps = held(S + step * G, step * G)
-    tail = held(S + step * G + 1) - one_step  # one tail step of room
+    tail = held(S + step * G + 1) - one_step  # one tail step
     return SinkTilesTail(
         sink // S if S else 0,
         (two_steps - one_step) // step,

@@ -5,7 +5,7 @@ Per layer (B batch rows, H kv heads, D head dim, G tile tokens; docs/algorithm.m
     sink_k/v  [B, H, S, D]    first S tokens, model dtype
     tiles     TileStorage     quantized tiles in the rotated space (tiles.py)
     tail_k/v  [B, H, <G, D]   newest tokens that do not fill a tile, model dtype (up to
-                              G + 15 after a short step: its tile waits for the next update)
+                              G + tail_step after short steps: its tile waits its turn)
 Tiles are quantized once, when the tail fills, and never again.
 """
 
@@ -73,7 +73,7 @@ class KVarNCache(BaseCache):
     mlx-lm model).
     """
 
-    step_tiles = 4  # tile storage grows by at least this many tiles
+    step_tiles = 4  # tile storage capacity: a whole number of this many tiles
     tail_step = 32  # the tail buffer grows by this many tokens
     # make_cache sets this: say once when a model attends without packed attention
     # (a step nothing read through step_view before the next update).
@@ -232,14 +232,21 @@ class KVarNCache(BaseCache):
         """Quantize the whole tiles waiting in the tail (left by a short step); a
         tile quantized ahead into the room (room_tile) is only counted. A short
         step (L tokens) before the cache's turn (waiting_tiles.due) leaves them
-        waiting, as long as the tail stays under two tiles. As in one-token
+        waiting, as long as the tail holds at most a tile and tail_step tokens (one
+        buffer step more than a tile: the most a waiting layer holds unquantized,
+        byte_models.SinkTilesTail). As in one-token
         decoding, a short step's first query row chooses the "auto" key rotation
         of tiles made here."""
         G = self.config.group_size
         m = self.n_tail // G
         if m == 0:
             return
-        if short and not self.room_tile and self.n_tail + L < 2 * G and not waiting_tiles.due(self):
+        if (
+            short
+            and not self.room_tile
+            and self.n_tail + L <= G + self.tail_step
+            and not waiting_tiles.due(self)
+        ):
             self.commit_in -= 1
             return
         self.commit_in = None
@@ -555,7 +562,11 @@ class KVarNCache(BaseCache):
             G = self.config.group_size
             self.sink_k, self.sink_v = sk, sv
             self.tail_k, self.tail_v = tk, tv
-            self.tiles = append(None, Tiles(*(s[name] for name in ARRAYS)), 0) if n_tiles else None
+            self.tiles = (
+                append(None, Tiles(*(s[name] for name in ARRAYS)), self.step_tiles)
+                if n_tiles
+                else None
+            )
             ok = (
                 sk.shape[2] == self.n_sink
                 and tk.shape[2] == self.n_tail

@@ -139,19 +139,27 @@ def keep_derived(storage, value):
     _derived[storage] = value
 
 
+def grown_capacity(need, step):
+    """The capacity a storage grows to for `need` tiles: a whole number of `step`
+    tiles (step 0: exactly `need`)."""
+    return -(-need // step) * step if step else need
+
+
 def append(storage, new: Tiles, step):
     """storage (TileStorage or None) with the tiles `new` stored after its valid ones.
 
-    Grows by what a prefill needs or `step` tiles, whichever is more: at most
-    step - 1 tiles of room, and growing copies the tiles once per step tiles,
-    while every decode step's attention reads all of them."""
+    Grows to a whole number of `step` tiles (step 0: exactly what is needed): at
+    most step - 1 tiles of room, so the capacity depends only on the most tiles
+    the layer held (the planner's bound, byte_models.py, is exact), and decoding
+    copies the tiles once per step tiles, while its every step's attention reads
+    all of them."""
     if storage is not None and not isinstance(storage, TileStorage):
         return storage.append(new, step)  # a batch row's tiles (batch_tiles.RowTiles)
     count = 0 if storage is None else storage.count
     need = count + new.count
     capacity = 0 if storage is None else storage.capacity
     if need > capacity:
-        grown = max(need, capacity + step)
+        grown = grown_capacity(need, step)
         if storage is None:
             arrays = [
                 mx.zeros((grown, x.shape[0], x.shape[1], *x.shape[3:]), x.dtype)

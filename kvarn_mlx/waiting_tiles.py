@@ -45,7 +45,8 @@ def stamp(cache):
 # Caches (layers x batch rows) whose waiting tiles one step quantizes.
 PER_STEP = 6
 # A cache's turn comes at most this many updates after its tile completed (the
-# tail holds the tile and the tokens after it meanwhile, less than two tiles).
+# tail holds the tile and the tokens after it meanwhile; it commits earlier when
+# they would pass a tile and KVarNCache.tail_step tokens).
 MAX_WAIT = 32
 
 

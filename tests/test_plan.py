@@ -278,8 +278,17 @@ def test_peak_bytes_are_the_most_any_prompt_length_gives(model, cache, smollm2):
     S, G = (c.sink_size, c.group_size) if c else (128, 128)
     n = S + 6 * G + 40
     # One prompt; a prompt then decoding across one or two tiles; two prompts (a chat's
-    # second turn), the second ending on a room step so that the next token adds a step.
-    prompts = [[n], [S + 4 * G], [S + 5 * G], [S + 2 * G, S + 2 * G], [n - 257, 256]]
+    # second turn), the second ending on a room step so that the next token adds a step;
+    # a short second prompt that finishes a tile, which waits in the tail with the
+    # token after it (a tile and a tail step: the most a tail holds).
+    prompts = [
+        [n],
+        [S + 4 * G],
+        [S + 5 * G],
+        [S + 2 * G, S + 2 * G],
+        [n - 257, 256],
+        [S + 6 * G - 1, 2],
+    ]
     if model == "smollm2":
         prompts.append([1])  # all decoding
     runs = [
