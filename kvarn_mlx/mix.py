@@ -196,6 +196,18 @@ def choose(p, shapes, bytes_like=None, max_kl=None) -> Mix:
     return Mix({l: (d["k"], d["v"]) for l, d in widths.items()}, total, kl, G, target, preset or {})
 
 
+def preset_kl(p, config):
+    """The KL profile p predicts for one preset on every layer (the sum of each
+    layer's key and value KLs at its widths), or None when the profile was measured
+    with other settings (tile size, sink, rotation, ...) or a layer cannot hold
+    those widths."""
+    if profiles.settings_config(p["settings"], config.k_bits, config.v_bits) != config:
+        return None
+    widths = {"k": str(config.k_bits), "v": str(config.v_bits)}
+    kls = [e[side].get(widths[side]) for e in p["layers"] for side in profiles.SIDES]
+    return None if any(kl is None for kl in kls) else sum(kls)
+
+
 def from_profile(model, p, kvarn_layers, shapes, bytes_like=None, max_kl=None, where="the profile"):
     """(Mix, {layer: KVarNConfig}) for this model from profile p (profile.read's),
     after refusing one of another model or with missing layers.

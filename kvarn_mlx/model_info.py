@@ -16,6 +16,7 @@ class ModelInfo:
     config: dict
     weights_bytes: int | None  # None: count the model's parameters
     weights_source: str
+    embedded: str | None = None  # the catalogue key of an embedded model
 
 
 def _weight_files(names):
@@ -100,9 +101,12 @@ def read_model(model=None):
     """ModelInfo for None (the embedded default), an embedded model's name
     (embedded:<key>), a local folder or a Hub repo id."""
     if model is None:
+        from .embedded.catalogue import DEFAULT
         from .loader import DEFAULT_NAME, default_model_path
 
-        return read_folder(default_model_path(), DEFAULT_NAME)
+        info = read_folder(default_model_path(), DEFAULT_NAME)
+        info.embedded = DEFAULT.key
+        return info
     if Path(model).expanduser().exists():
         return read_folder(model)
     from . import loader
@@ -112,7 +116,11 @@ def read_model(model=None):
     except loader.ModelLoadError as e:
         raise PlanError(str(e)) from None
     if path is not None:
-        return read_folder(path, path.name)
+        from .embedded.catalogue import embedded_model
+
+        info = read_folder(path, path.name)
+        info.embedded = embedded_model(model).key
+        return info
     if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model):
         raise PlanError(
             f"no such model folder: {model}. Pass a folder with config.json, a Hugging Face repo "

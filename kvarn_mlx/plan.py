@@ -16,6 +16,7 @@ context that "fits" fits whatever the prompt's length.
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import textwrap
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
+from . import plan_kl
 from .byte_models import (
     DTYPES,
     MLX_KV_GROUP_SIZE,
@@ -223,10 +225,29 @@ def describe_layers(layers):
     return f"{len(layers)} cache layers: " + "; ".join(f"{n} {k}" for k, n in counts.items())
 
 
+def mix_plan(model, layers, quality, prefill):
+    """The CachePlan of a profile's calibrated mix (plan_kl.Quality), or of why
+    there is none."""
+    name, note = "calibrated mix", "per-layer widths from the profile"
+    if quality.mix is None:
+        return CachePlan(name, note, error=quality.mix_error)
+    note = f"per-layer widths from the profile, {quality.mix.target}"
+    return _cache_plan(name, note, layers, kvarn_kinds(model, quality.mix_configs), prefill)
+
+
 def plan(
-    info, budget, budget_source, overhead, context=None, dtype=None, prefill=PREFILL_STEP_SIZE
+    info,
+    budget,
+    budget_source,
+    overhead,
+    context=None,
+    dtype=None,
+    prefill=PREFILL_STEP_SIZE,
+    max_kl=None,
+    quality=None,
 ):
-    """Everything the CLI prints, as a dict (the --json output)."""
+    """Everything the CLI prints, as a dict (the --json output). quality: the KLs
+    to quote (plan_kl.Quality), or None."""
     dtype = dtype or config_dtype(info.config)
     dtype_note = None
     if dtype is None:
@@ -234,6 +255,13 @@ def plan(
     model = lazy_model(info.config, dtype)
     layers = model_layers(model)
     plans = cache_plans(info.config, dtype, prefill, model)
+    kl = dict(quality.kl) if quality else {}
+    if quality and quality.reference in (None, f"plain ({dtype})"):
+        kl[f"plain ({dtype})"] = (0.0, "reference")
+    if quality and (quality.mix is not None or quality.mix_error):
+        plans.append(mix_plan(model, layers, quality, prefill))
+        if quality.mix is not None:
+            kl["calibrated mix"] = (quality.mix.predicted_kl, "predicted")
     weights = info.weights_bytes
     if weights is None:
         weights = parameter_bytes(model, info.config)
@@ -254,10 +282,18 @@ def plan(
         "kv_budget_bytes": available,
         "prefill_step_size": prefill,
         "context": context,
+        "max_kl": max_kl,
+        "kl_source": quality.source if quality else None,
+        "mix": quality.mix.summary() if quality and quality.mix else None,
         "caches": [],
+        "longest_context_at_max_kl": None,
     }
     for c in plans:
+        value, source = kl.get(c.name, (None, None))
         row = {"cache": c.name, "note": c.note, "warning": c.warning}
+        row.update(kl=value, kl_source=source)
+        if max_kl is not None:
+            row["within_max_kl"] = None if value is None else value <= max_kl
         if c.error:
             out["caches"].append({**row, "error": c.error})
             continue
@@ -270,6 +306,19 @@ def plan(
                 kv_bytes_at_context=c.peak(context), fits_context=c.peak(context) <= available
             )
         out["caches"].append(row)
+    if max_kl is not None:
+        within = [r for r in out["caches"] if r.get("within_max_kl") and "error" not in r]
+        if within:
+            best = max(
+                within,
+                key=lambda r: (
+                    float("inf") if r["longest_context"] is None else r["longest_context"]
+                ),
+            )
+            out["longest_context_at_max_kl"] = {
+                "cache": best["cache"],
+                "tokens": best["longest_context"],
+            }
     return out
 
 
@@ -294,13 +343,24 @@ def format_plan(p):
             f"context    the model takes up to {p['max_position_embeddings']:,} tokens "
             "(max_position_embeddings)"
         )
+    if p["mix"]:
+        widths = {}
+        for kv in p["mix"]["widths"].values():
+            widths[kv] = widths.get(kv, 0) + 1
+        common = ", ".join(f"{kv} x{n}" for kv, n in sorted(widths.items(), key=lambda t: -t[1]))
+        lines.append(f"mix        calibrated mix ({p['mix']['target']}): {common}")
     lines.append("")
+    max_kl = p["max_kl"]
     head = f"{'cache':<18} {'KV bytes/token':>14} {'longest context':>16}"
     if ctx is not None:
         head += f" {f'KV at {ctx:,}':>16} {'fits':>5}"
+    head += f" {'mean KL':>9}  from"
     lines += [head, "-" * len(head)]
-    warnings = []
+    warnings, above, unknown = [], [], []
     for r in p["caches"]:
+        if max_kl is not None and not r["within_max_kl"]:
+            (unknown if r["kl"] is None else above).append(r["cache"])
+            continue
         if "error" in r:
             lines.append(f"{r['cache']:<18} not applicable: {r['error']}")
             continue
@@ -313,16 +373,39 @@ def format_plan(p):
             line += (
                 f" {human(r['kv_bytes_at_context']):>16} {'yes' if r['fits_context'] else 'no':>5}"
             )
+        kl = "-" if r["kl"] is None else f"{r['kl']:.2g}"
+        line += f" {kl:>9}  {r['kl_source'] or 'not measured for this model'}"
         lines.append(line)
         if r["warning"] and r["warning"] not in warnings:
             warnings.append(r["warning"])
+    if max_kl is not None:
+        best = p["longest_context_at_max_kl"]
+        if best is None:
+            lines.append(f"no cache has a known mean KL <= {max_kl:g}")
+        else:
+            n = "no limit" if best["tokens"] is None else f"{best['tokens']:,} tokens"
+            lines.append(f"longest context at mean KL <= {max_kl:g}: {n} ({best['cache']})")
+        if above:
+            lines += textwrap.wrap(
+                f"left out, mean KL above {max_kl:g}: {', '.join(above)}",
+                100,
+                subsequent_indent="  ",
+            )
+        if unknown:
+            lines += textwrap.wrap(
+                f"left out, KL not measured for this model: {', '.join(unknown)}",
+                100,
+                subsequent_indent="  ",
+            )
     legend = (
         "KV bytes/token: what each further token adds (sliding-window and recurrent layers add "
         "nothing). Longest context: the most every cache layer can hold up to that many tokens, "
         "sink, tail buffer and preallocated room included, with prompts prefilled in chunks of "
         f"{p['prefill_step_size']:,} tokens at most. The allowance does not grow with the "
         "context: transient buffers of a long prefill that do (a chunk's attention scores where "
-        "attention is not fused) are not in it."
+        "attention is not fused) are not in it. Mean KL: to the plain cache, "
+        + (p["kl_source"] or "none known for this model (--profile PROFILE.json predicts them)")
+        + "."
     )
     lines += ["", *textwrap.wrap(legend, 100)]
     for w in warnings:
@@ -371,6 +454,19 @@ def setup_arg_parser():
         help="Prompt tokens per prefill step, as in generate "
         "(sliding-window layers hold one chunk more)",
     )
+    p.add_argument(
+        "--max-kl",
+        type=float,
+        default=None,
+        help="Keep the caches whose mean KL to the plain cache (measured, or predicted by "
+        "--profile) is at most this, and say the longest context at that KL",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="The model's calibration profile (python -m kvarn_mlx.calibrate): predicted KL "
+        "per preset and the calibrated mix (loads the model's weights to check the profile)",
+    )
     p.add_argument("--json", action="store_true", help="Print the plan as JSON")
     return p
 
@@ -393,7 +489,22 @@ def main(argv=None):
             info = read_model(args.model)
         except ModelLoadError as e:
             raise PlanError(str(e)) from e
-        p = plan(info, budget, source, overhead, args.context, args.dtype, args.prefill_step_size)
+        if args.max_kl is not None and not (math.isfinite(args.max_kl) and args.max_kl > 0):
+            raise PlanError(f"--max-kl {args.max_kl}: give a KL in nats > 0, e.g. 0.005")
+        quality = plan_kl.measured(info)
+        if args.profile is not None:
+            quality = plan_kl.with_profile(args.profile, args.model, args.max_kl, quality)
+        p = plan(
+            info,
+            budget,
+            source,
+            overhead,
+            args.context,
+            args.dtype,
+            args.prefill_step_size,
+            args.max_kl,
+            quality,
+        )
     except PlanError as e:
         sys.exit(f"error: {e}")
     print(json.dumps(p, indent=2) if args.json else format_plan(p))

@@ -11,6 +11,7 @@ random data.
 """
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -22,7 +23,10 @@ from grid import grid
 from kvarn_mlx import byte_models, model_info, plan
 from kvarn_mlx.config import PRESETS
 from kvarn_mlx.integration import make_cache
+from model_folder import tiny_model_folder
 from models import tokens
+
+ROOT = Path(__file__).resolve().parents[1]
 
 QWEN3 = dict(
     model_type="qwen3",
@@ -524,3 +528,68 @@ def test_embedded_model_names(capsys):
     assert json.loads(capsys.readouterr().out)["model"] == loader.DEFAULT.name
     with pytest.raises(SystemExit, match="no embedded model 'nope'"):
         plan.main(["--model", "embedded:nope"])
+
+
+# -- quality: --max-kl and --profile ---------------------------------------------------------
+
+PROFILE = ROOT / "benchmarks" / "results" / "profile_smollm2.json"
+
+
+def test_cli_quotes_measured_kl_only_for_the_model_measured(tmp_path, capsys):
+    plan.main(["--memory", "16GB", "--context", "65536", "--max-kl", "0.005", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    table = json.loads((ROOT / "kvarn_mlx" / "measured_kl.json").read_text())[
+        "smollm2-135m-instruct"
+    ]["kl"]
+    rows = {r["cache"]: r for r in out["caches"]}
+    assert rows["plain (float32)"]["kl"] == 0 and rows["plain (float16)"]["kl"] is None
+    for name in PRESETS:
+        assert rows[name]["kl"] == table[name] and rows[name]["kl_source"] == "measured"
+        assert rows[name]["within_max_kl"] == (table[name] <= 0.005)
+    within = [r for r in rows.values() if r["within_max_kl"]]
+    best = max(within, key=lambda r: r["longest_context"])
+    assert out["longest_context_at_max_kl"] == {
+        "cache": best["cache"],
+        "tokens": best["longest_context"],
+    }
+    plan.main(["--memory", "16GB", "--max-kl", "0.005"])
+    text = capsys.readouterr().out
+    assert "\nk8v8_g128 " in text and "\nk2v2_g128 " not in text
+    assert f"longest context at mean KL <= 0.005: {best['longest_context']:,} tokens" in text
+    # Another model: nothing measured, nothing claimed.
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3))
+    plan.main(["--model", str(tmp_path), "--memory", "16GB", "--max-kl", "0.005", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert all(r["kl"] is None and r["within_max_kl"] is None for r in out["caches"])
+    assert out["longest_context_at_max_kl"] is None
+    plan.main(["--model", str(tmp_path), "--memory", "16GB", "--max-kl", "0.005"])
+    text = capsys.readouterr().out
+    assert "no cache has a known mean KL <= 0.005" in text and "not measured for this model" in text
+    with pytest.raises(SystemExit, match="--max-kl -1.0: give a KL in nats > 0"):
+        plan.main(["--max-kl", "-1"])
+
+
+def test_cli_profile_predicts_and_adds_the_calibrated_mix(tmp_path, capsys):
+    from kvarn_mlx import profile
+
+    p = profile.read(PROFILE)
+    plan.main(["--memory", "16GB", "--profile", str(PROFILE), "--max-kl", "0.005", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["cache"]: r for r in out["caches"]}
+    auto = sum(e["k"]["4"] + e["v"]["2"] for e in p["layers"])
+    assert (
+        rows["auto4v2"]["kl"] == pytest.approx(auto) and rows["auto4v2"]["kl_source"] == "predicted"
+    )
+    assert rows["k4v2_g128"]["kl_source"] == "measured"  # measured with other settings
+    mix = rows["calibrated mix"]
+    assert mix["kl"] <= 0.005 and mix["within_max_kl"] and mix["kl"] == out["mix"]["predicted_kl"]
+    assert (
+        mix["bytes_per_token"] < rows["k4v3_g128"]["bytes_per_token"]
+    )  # the cheapest preset within
+    assert out["longest_context_at_max_kl"]["cache"] == "calibrated mix"
+    # A profile of another model is refused, naming it.
+    folder = tiny_model_folder(tmp_path / "tiny")
+    with pytest.raises(SystemExit, match="was calibrated on embedded SmolLM2-135M-Instruct"):
+        plan.main(["--model", str(folder), "--memory", "16GB", "--profile", str(PROFILE)])
+    with pytest.raises(SystemExit, match="--profile: no profile file at"):
+        plan.main(["--profile", str(tmp_path / "none.json")])
