@@ -6,6 +6,14 @@ decode time.
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
         python benchmarks/decode_speed.py --contexts 1024,4096,16384,32768
     python benchmarks/decode_speed.py --quick --out /tmp/ds   # tiny contexts (CI)
+    python benchmarks/decode_speed.py --rows 4 --contexts 1024,2048,4096,8192 \
+        --methods fp,k4v2_g128,auto4v2 --tag batch4         # batched decode
+
+With --rows N, N sequences decode as one batch, joined as mlx-lm's
+BatchGenerator joins them (`merge`: BatchKVCache for fp, BatchKVarNCache for
+KVarN); the context is the longest row's, the others are shorter by steps of
+context / (2 N) tokens (row_lengths), as a server's rows differ. Tokens/s
+counts every row's token; the tile-overhead section (single caches) is left out.
 
 Caches are filled with random K/V to the context length instead of a real
 prefill (decode cost does not depend on the values; a 16K prefill takes many
@@ -70,18 +78,37 @@ def fill(caches, H, D, ctx, chunk=1024, seed=0):
             )
 
 
+def row_lengths(ctx, rows):
+    """Tokens per batch row: the last row at the context, the others shorter by
+    steps of context / (2 rows) tokens (rows of a server batch differ)."""
+    return [ctx - (rows - 1 - i) * (ctx // (2 * rows)) for i in range(rows)]
+
+
+def filled_batch(model, name, lengths, H, D):
+    """The method's caches for one sequence per length, each filled alone, then
+    joined as mlx-lm's BatchGenerator joins them (type(cache).merge per layer)."""
+    seqs = []
+    for i, n in enumerate(lengths):
+        seqs.append(make(model, name))
+        fill(seqs[-1], H, D, n, seed=i)
+    return [type(layer[0]).merge(list(layer)) for layer in zip(*seqs)]
+
+
 def held_bytes(caches):
-    """Bytes the caches hold for their tokens (measured arrays, preallocated room left out)."""
+    """Bytes the caches hold for their tokens (measured arrays, preallocated room left
+    out); for batches, every array held (room and padding included)."""
+    if not isinstance(caches[0], (KVarNCache, mlx_cache.KVCache, QuantizedKVCache)):
+        return sum(c.nbytes for c in caches)
     b = memory.cache_bytes(caches)
     return b["held"] - b["unused"]
 
 
-def decode_rates(model, all_caches, steps, warmup=2):
+def decode_rates(model, all_caches, steps, warmup=2, rows=1):
     """Median seconds per decode step for each cache list, and of its graph
     building alone (the model call, Python: mlx-lm's generate_step builds the
     next step while this one evaluates, on the same CPU cores here), stepping
     the methods round-robin so that load from other processes hits them alike."""
-    toks = [mx.array([[1]]) for _ in all_caches]
+    toks = [mx.array([[1]] * rows) for _ in all_caches]
     times = [[] for _ in all_caches]
     for i in range(warmup + steps):
         for j, caches in enumerate(all_caches):
@@ -171,6 +198,17 @@ def render(data):
         "not predict Apple-silicon speed. 'Graph ms' is the part of the step spent in the model "
         "call, where Python builds the step's graph (the cache update and attention ops) before "
         "anything is evaluated.\n",
+    ]
+    if data.get("batch_rows"):
+        n = data["batch_rows"]
+        md.append(
+            f"Batched: {n} sequences decoding together (mlx-lm's merge: BatchKVCache for fp, "
+            "BatchKVarNCache for KVarN); 'context' is the longest row, the others are shorter by "
+            f"steps of context / {2 * n} tokens (row_lengths). Tok/s counts every row's token; "
+            "graph ms is the whole batch step's; cache MiB is every array held, the room and "
+            "padding up to the longest row included.\n"
+        )
+    md += [
         "| context | method | tok/s | speed vs fp | graph ms | graph vs fp | cache MiB | "
         "smaller than fp (float32) | smaller than fp16 |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -184,6 +222,8 @@ def render(data):
             f"{r['speed_vs_fp']:.2f}x | {graph} | {r['cache_bytes'] / 2**20:.1f} | "
             f"{r['bytes_vs_fp']:.2f}x | {r['bytes_vs_fp'] / 2:.2f}x |"
         )
+    if not data["overhead"]:
+        return "\n".join(md) + "\n"
     md += [
         "\n## Tile-quantization overhead\n",
         "Time of the cache updates that quantize one tile in every layer (rotation + "
@@ -219,6 +259,12 @@ def main(argv=None):
     p.add_argument(
         "--tag", default=None, help="suffix for the output files (decode_speed_<tag>.md)"
     )
+    p.add_argument(
+        "--rows",
+        type=int,
+        default=0,
+        help="decode this many sequences as one batch (default: one, no batch)",
+    )
     p.add_argument("--quick", action="store_true", help=f"tiny run for CI: {QUICK}")
     p.add_argument("--render", default=None, help="only rewrite the markdown from this json")
     args = p.parse_args(argv)
@@ -238,22 +284,30 @@ def main(argv=None):
     H, D = a.num_key_value_heads, a.head_dim or a.hidden_size // a.num_attention_heads
     contexts = [int(c) for c in args.contexts.split(",")]
     methods = args.methods.split(",")
+    if methods[0] != "fp":
+        p.error("--methods: the first must be fp, the baseline of every ratio")
+    if args.rows and any(m.startswith("mlxq") for m in methods):
+        p.error("--rows: mlx-lm's QuantizedKVCache does not batch; leave mlxq* out")
     rows = []
     bar = Progress(len(contexts) * len(methods), "decode speed")
+    n_rows = max(args.rows, 1)
     for ctx in contexts:
         all_caches = []
         for m in methods:
-            all_caches.append(make(model, m))
-            fill(all_caches[-1], H, D, ctx)
+            if args.rows:
+                all_caches.append(filled_batch(model, m, row_lengths(ctx, args.rows), H, D))
+            else:
+                all_caches.append(make(model, m))
+                fill(all_caches[-1], H, D, ctx)
         mx.reset_peak_memory()
-        secs = decode_rates(model, all_caches, args.steps)
+        secs = decode_rates(model, all_caches, args.steps, rows=n_rows)
         for m, caches, (sec, build) in zip(methods, all_caches, secs):
             rows.append(
                 {
                     "context": ctx,
                     "method": m,
-                    "s_per_token": sec,
-                    "tokens_per_s": 1 / sec,
+                    "s_per_token": sec / n_rows,
+                    "tokens_per_s": n_rows / sec,
                     "build_s": build,
                     "cache_bytes": held_bytes(caches),
                 }
@@ -269,7 +323,7 @@ def main(argv=None):
 
     overhead = []
     for m in methods:
-        if m == "fp" or m.startswith("mlxq"):
+        if m == "fp" or m.startswith("mlxq") or args.rows:
             continue
         cfg = get_preset(m)
         full, no_norm = tile_overhead(len(model.layers), H, D, cfg)
@@ -310,6 +364,7 @@ def main(argv=None):
             "overhead": overhead,
             "steps": args.steps,
             "quantize_path": path,
+            "batch_rows": args.rows,
         }
     ).split("\n")
     plt = pyplot()
@@ -353,6 +408,7 @@ def main(argv=None):
                 "plots": plots,
                 "steps": args.steps,
                 "quantize_path": path,
+                "batch_rows": args.rows,
             },
             indent=1,
         )

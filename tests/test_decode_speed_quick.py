@@ -14,12 +14,17 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
 
 
-def test_decode_speed_quick(tmp_path):
+def _load():
     spec = importlib.util.spec_from_file_location(
         "bench_decode_speed", ROOT / "benchmarks" / "decode_speed.py"
     )
     ds = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ds)
+    return ds
+
+
+def test_decode_speed_quick(tmp_path):
+    ds = _load()
     folder = tiny_model_folder(tmp_path / "model")
     out = tmp_path / "results"
     ds.main(["--quick", "--model", str(folder), "--out", str(out)])
@@ -49,3 +54,26 @@ def test_decode_speed_quick(tmp_path):
     md = (out / "decode_speed.md").read_text()
     assert "python benchmarks/decode_speed.py --quick" in md and "dispatch.quantize" in md
     assert (out / "decode_speed.png").stat().st_size > 0
+
+
+def test_decode_speed_quick_batch(tmp_path):
+    # --rows: sequences of different lengths joined by mlx-lm's merge, decoding together;
+    # tokens/s counts every row's token.
+    ds = _load()
+    folder = tiny_model_folder(tmp_path / "model")
+    out = tmp_path / "results"
+    argv = ["--quick", "--rows", "3", "--methods", "fp,k4v2_g128", "--model", str(folder)]
+    ds.main([*argv, "--out", str(out)])
+    data = json.loads((out / "decode_speed.json").read_text())
+    contexts = [int(c) for c in ds.QUICK["contexts"].split(",")]
+    assert data["batch_rows"] == 3 and data["overhead"] == []
+    assert [(r["context"], r["method"]) for r in data["rows"]] == [
+        (c, m) for c in contexts for m in ("fp", "k4v2_g128")
+    ]
+    for r in data["rows"]:
+        assert r["tokens_per_s"] == pytest.approx(1 / r["s_per_token"])
+        assert 0 < r["build_s"] < 3 * r["s_per_token"] and r["cache_bytes"] > 0
+    assert ds.row_lengths(300, 3) == [200, 250, 300]
+    assert "Batched: 3 sequences" in (out / "decode_speed.md").read_text()
+    with pytest.raises(SystemExit):
+        ds.main([*argv[:3], "--methods", "fp,mlxq4", "--out", str(out)])
