@@ -52,8 +52,12 @@ class BatchKVarNCache(BaseCache):
         # per row, the query positions [s, e) of the last update that were its own
         self._spans = None
         self._v_dim = None
-        self._tiles = _share_tiles(self.rows)
+        # the rows' tiles in one storage; _head: (tile state, rotation flags, the
+        # tiles dequantized), see _head_of
+        self._tiles, self._head = _share_tiles(self.rows), None
         self._flags = (None, None)  # the rows' key rotation flags -> their [B, H] array
+        self._together = None  # a decode step's view of all rows, and its mask
+        self._read = self._reads_packed = False  # attention read this / the last step
 
     @classmethod
     def merge(cls, caches):
@@ -122,9 +126,13 @@ class BatchKVarNCache(BaseCache):
             raise ValueError(
                 f"this BatchKVarNCache holds {len(self.rows)} sequences; got keys of batch {B}"
             )
+        self._reads_packed, self._read = self._read, False
+        self._v_dim = values.shape[-1]
+        if L == 1 and self._limit is None and self._tiles is not None:
+            return self._decode(keys, values)
+        self._together = None
         prev = self._idx
         self._idx += L
-        self._v_dim = values.shape[-1]
         self._spans, fetched = [], []
         for b, row in enumerate(self.rows):
             end = self._idx if self._limit is None else min(self._idx, self._limit[b])
@@ -146,6 +154,72 @@ class BatchKVarNCache(BaseCache):
         weakref.finalize(k, _keep_alive, fetched)
         return k, v
 
+    def _decode(self, keys, values):
+        """One token for every row: each row's cache takes its own, and the step's
+        view of all rows at once is built here, for attention and for the arrays
+        returned (the batch layout, gathered from that view)."""
+        self._idx += 1
+        self._spans = [(0, 1)] * len(self.rows)
+        steps = [r.update(keys[b : b + 1], values[b : b + 1]) for b, r in enumerate(self.rows)]
+        counts = (
+            tuple(v.sink_k.shape[2] for v in steps),
+            tuple(v.n_tiles for v in steps),
+            tuple(v.recent_k.shape[2] for v in steps),
+        )
+        n, G = max(counts[1]), self.rows[0].config.group_size
+        S, R = max(counts[0]), max(counts[2])
+        v0 = steps[0]
+        view = StepView(
+            _padded([v.sink_k for v in steps], S),
+            _padded([v.sink_v for v in steps], S),
+            TileStorage(*self._tiles.storage.arrays(), count=n) if n else None,
+            n,
+            _padded([v.recent_k for v in steps], R),
+            _padded([v.recent_v for v in steps], R),
+            v0.k_bits,
+            v0.v_bits,
+            self._rotate_k([v.rotate_k for v in steps], v0.sink_k.shape[1]),
+            v0.rotate_v,
+        )
+        self._together = (view, _own_columns(*counts, G))
+        head = self._head_of(view, keys.dtype)
+        index = _layout_index(tuple(self._left), *counts, G)
+        k, v = (
+            mx.take_along_axis(
+                mx.concatenate(
+                    [x.astype(keys.dtype) for x in (sink, *h, recent)]
+                    + [mx.zeros((*keys.shape[:2], 1, keys.shape[3]), keys.dtype)],
+                    axis=2,
+                ),
+                index,
+                axis=2,
+            )
+            for sink, h, recent in (
+                (view.sink_k, head[:1], view.recent_k),
+                (view.sink_v, head[1:], view.recent_v),
+            )
+        )
+        # The rows' steps (their new tokens in full precision) live as long as these.
+        weakref.finalize(k, _keep_alive, steps)
+        return k, v
+
+    def _head_of(self, view, dtype):
+        """The view's tiles dequantized, [B, H, n*G, D] each for keys and values (none
+        without tiles), lazily. While attention reads the tiles (it read the last
+        step), kept unevaluated until a tile is written: a step then adds a gather, not
+        a dequantization it never evaluates (as KVarNCache._head)."""
+        if not view.n_tiles:
+            return ()
+        key = (self._tiles.version, view.n_tiles, dtype)
+        if self._head is not None and self._head[0] == key and self._head[1] is view.rotate_k:
+            return self._head[2]
+        k, v = view.tiles.dequantize(
+            view.k_bits, view.v_bits, view.rotate_k, view.rotate_v, view.n_tiles
+        )
+        head = (k.astype(dtype), v.astype(dtype))
+        self._head = (key, view.rotate_k, head) if self._reads_packed else None
+        return head
+
     def _in_layout(self, b, fetched, i, like):
         """Row b's keys (i=0) or values (i=1) padded to the batch layout [1, H, _idx, D]."""
         H, D = like.shape[1], like.shape[3]
@@ -161,7 +235,7 @@ class BatchKVarNCache(BaseCache):
             row.trim(n)
         self._idx -= n
         self._left = [self._idx - r.offset for r in self.rows]
-        self._spans = None
+        self._spans = self._together = None
         return n
 
     # -- attention ----------------------------------------------------------------
@@ -174,11 +248,11 @@ class BatchKVarNCache(BaseCache):
         if self._spans is None or len(self._spans) != B:
             raise RuntimeError("BatchKVarNCache.attention runs right after update_and_fetch")
         causal = mask is None or isinstance(mask, str) or _causal_masks.get(id(mask)) is mask
+        self._read = True
         if (
             causal
             and L == 1
-            and self._tiles is not None
-            and all(sp == (0, 1) for sp in self._spans)
+            and self._together is not None
             and all(r.key_candidates is None for r in self.rows)
         ):
             return self._attend_together(queries, scale, sinks)
@@ -199,34 +273,15 @@ class BatchKVarNCache(BaseCache):
     def _attend_together(self, queries, scale, sinks):
         """One decode step of every row in one graph: the shared tiles [0, most
         tiles of a row), each row's sink and recent tokens padded to the longest,
-        and a mask of each row's own columns."""
-        views = [r.step_view() for r in self.rows]
-        sinks_n = tuple(v.sink_k.shape[2] for v in views)
-        tiles_n = tuple(v.n_tiles for v in views)
-        recent_n = tuple(v.recent_k.shape[2] for v in views)
-        storage = self._tiles.storage
-        n = max(tiles_n)
-        v0 = views[0]
-        view = StepView(
-            _padded([v.sink_k for v in views], max(sinks_n)),
-            _padded([v.sink_v for v in views], max(sinks_n)),
-            TileStorage(*storage.arrays(), count=n) if n else None,
-            n,
-            _padded([v.recent_k for v in views], max(recent_n)),
-            _padded([v.recent_v for v in views], max(recent_n)),
-            v0.k_bits,
-            v0.v_bits,
-            self._rotate_k([v.rotate_k for v in views], v0.sink_k.shape[1]),
-            v0.rotate_v,
-        )
-        G = self.rows[0].config.group_size
-        out = attention.attend(
-            queries, view, scale, _own_columns(sinks_n, tiles_n, recent_n, G), sinks
-        )
-        if any(r.n_tiles > v.n_tiles for r, v in zip(self.rows, views)):
-            # as attention.packed_attention: the tiles quantized in this step are
+        and a mask of each row's own columns (the view _decode built)."""
+        for r in self.rows:
+            r.step_view()  # read: the rows' caches know the model attends on their tiles
+        view, mask = self._together
+        out = attention.attend(queries, view, scale, mask, sinks)
+        if any(r.n_tiles > view.n_tiles for r in self.rows):
+            # as attention.packed_attention: tiles quantized in this step are
             # written when the step's output is evaluated
-            out = mx.depends(out, list(storage.arrays()))
+            out = mx.depends(out, list(self._tiles.storage.arrays()))
         return out
 
     def _rotate_k(self, flags, H):
@@ -259,8 +314,8 @@ class BatchKVarNCache(BaseCache):
         self._left = [self._left[i] for i in idx]
         if self._limit is not None:
             self._limit = [self._limit[i] for i in idx]
-        self._spans = None
-        self._tiles = _share_tiles(self.rows)
+        self._spans = self._together = None
+        self._tiles, self._head = _share_tiles(self.rows), None
         shift = min(self._left, default=0)
         if shift > 0:
             self._left = [lp - shift for lp in self._left]
@@ -284,8 +339,8 @@ class BatchKVarNCache(BaseCache):
             ]
         self.rows = self.rows + other.rows
         self._left, self._idx = left, idx
-        self._spans = None
-        self._tiles = _share_tiles(self.rows)
+        self._spans = self._together = None
+        self._tiles, self._head = _share_tiles(self.rows), None
         self._v_dim = self._v_dim or other._v_dim
 
     def extract(self, idx):
@@ -365,6 +420,30 @@ def _own_columns(sinks_n, tiles_n, recent_n, G):
             own[b, S + n * G : S + n * G + r] = True
         _masks[key] = mx.array(own[:, None, None, :])
     return _masks[key]
+
+
+# (left padding, sink, tiles, recent tokens per row, G) -> for each column of the
+# batch layout, its column in a decode step's view (sink, tiles, recent, one zero).
+_layouts = {}
+
+
+def _layout_index(left, sinks_n, tiles_n, recent_n, G):
+    """[B, 1, columns, 1] int32: where each column of the batch layout (row b's
+    tokens from column left[b] on, zeros before) is in a decode step's view."""
+    key = (left, sinks_n, tiles_n, recent_n, G)
+    if key not in _layouts:
+        if len(_layouts) > 64:
+            _layouts.clear()
+        S, n, R = max(sinks_n), max(tiles_n), max(recent_n)
+        zero = S + n * G + R
+        width = left[0] + sinks_n[0] + tiles_n[0] * G + recent_n[0]
+        index = np.full((len(left), width), zero, np.int32)
+        for b, (lp, s, t, r) in enumerate(zip(*key[:4])):
+            index[b, lp:width] = np.concatenate(
+                [np.arange(s), S + np.arange(t * G), S + n * G + np.arange(r)]
+            )
+        _layouts[key] = mx.array(index[:, None, :, None])
+    return _layouts[key]
 
 
 def _padded(xs, n):

@@ -25,6 +25,7 @@ class BatchTiles:
     def __init__(self, storage, rows):
         self.storage = storage
         self.rows = rows
+        self.version = 0  # counts writes: what was built from the arrays before is stale
 
     def reserve(self, need, step, like: Tiles):
         """Room for `need` tiles in every row: a whole number of `step` tiles
@@ -57,6 +58,7 @@ class BatchTiles:
     def forget(self):
         """Drop what rows built lazily from the arrays before a write (KVarNCache._head):
         nothing then holds the old arrays, and the write updates them in place."""
+        self.version += 1
         for r in self.rows:
             keep_derived(r, None)
 

@@ -116,6 +116,18 @@ class KVarNCache(BaseCache):
     # -- writing -------------------------------------------------------------
 
     def update_and_fetch(self, keys, values):
+        step = self.update(keys, values)
+        keys, values = self.dequantized(step)
+        # The step's full-precision tokens serve this step only: the view lives
+        # exactly as long as the returned arrays (which hold those tokens anyway).
+        weakref.finalize(keys, _keep_alive, step)
+        self._fetched = (weakref.ref(keys), weakref.ref(values))
+        return keys, values
+
+    def update(self, keys, values) -> StepView:
+        """Store keys and values [B, H, L, D]; the step's view, which step_view()
+        returns for as long as the caller keeps it (update_and_fetch: as long as
+        the arrays it returned)."""
         B, H, L, D = keys.shape
         G, S = self.config.group_size, self.config.sink_size
         if self._unread and self.announce_bypass:
@@ -178,13 +190,8 @@ class KVarNCache(BaseCache):
             step.after_tile = self._after_tile_view(n_seen, step.after_tile_row)
         if short and self.n_tail >= G and not self.room_tile:
             waiting_tiles.register(self)  # quantized at the next update, with the other layers'
-        keys, values = self.dequantized(step)
-        # The step's full-precision tokens serve this step only: the view lives
-        # exactly as long as the returned arrays (which hold those tokens anyway).
-        self._step = weakref.ref(step)
-        weakref.finalize(keys, _keep_alive, step)
-        self._fetched, self._unread = (weakref.ref(keys), weakref.ref(values)), True
-        return keys, values
+        self._step, self._fetched, self._unread = weakref.ref(step), None, True
+        return step
 
     def _start(self, keys, values):
         B, H, _, D = keys.shape

@@ -291,16 +291,24 @@ def test_an_array_mask_of_another_origin_is_applied_per_row():
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-6)
 
 
-def test_fallback_keys_and_values_are_in_the_batch_layout():
-    run = Run([50, 20])
-    run.prompt([10, 3])
-    k, v = run.batch.update_and_fetch(randn(2, H, 1, D, seed=8), randn(2, H, 1, D, seed=9))
-    assert k.shape == (2, H, 61, D)
-    for b, lp in enumerate(run.batch.left_padding.tolist()):
-        row_k, row_v = run.batch.rows[b].dequantized()
-        assert not np.array(k[b, :, :lp]).any()
-        np.testing.assert_array_equal(np.array(k[b, :, lp:]), np.array(row_k[0]))
-        np.testing.assert_array_equal(np.array(v[b, :, lp:]), np.array(row_v[0]))
+@pytest.mark.parametrize("prefixes,steps", [([50, 20], 1), ([200, 20, 90], 3)])
+def test_fallback_keys_and_values_are_in_the_batch_layout(prefixes, steps):
+    # Decode steps return every row's keys and values (its tiles dequantized) in
+    # the batch layout, gathered from the step's view of all rows.
+    run = Run(prefixes)
+    run.prompt([10, 3, 40][: len(prefixes)])
+    for i in range(steps):
+        B = len(prefixes)
+        k, v = run.batch.update_and_fetch(
+            randn(B, H, 1, D, seed=8 + i), randn(B, H, 1, D, seed=9 + i)
+        )
+        assert k.shape == (B, H, run.batch.size(), D)
+        for b, lp in enumerate(run.batch.left_padding.tolist()):
+            row_k, row_v = run.batch.rows[b].dequantized()
+            assert not np.array(k[b, :, :lp]).any()
+            np.testing.assert_array_equal(np.array(k[b, :, lp:]), np.array(row_k[0]))
+            np.testing.assert_array_equal(np.array(v[b, :, lp:]), np.array(row_v[0]))
+    assert [r.n_tiles for r in run.batch.rows][:2] == ([0, 0] if steps == 1 else [3, 0])
 
 
 def test_trim():
