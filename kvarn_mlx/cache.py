@@ -171,10 +171,12 @@ class KVarNCache(BaseCache):
         # step's at the next update).
         if self.n_tail + L < G or short:
             self._grow_tail(self.n_tail + L)
-            self.tail_k[..., self.n_tail : self.n_tail + L, :] = keys
-            self.tail_v[..., self.n_tail : self.n_tail + L, :] = values
+            # [:, :, a:b] rather than [..., a:b, :]: a decode step's cheapest indexing
+            self.tail_k[:, :, self.n_tail : self.n_tail + L] = keys
+            self.tail_v[:, :, self.n_tail : self.n_tail + L] = values
             self.n_tail += L
-            rk, rv = self.tail_k[..., : self.n_tail, :], self.tail_v[..., : self.n_tail, :]
+            rk, rv = self.tail_k[:, :, : self.n_tail], self.tail_v[:, :, : self.n_tail]
+            room = (self.tail_k, self.tail_v)
         else:
             rk = mx.concatenate([self.tail_k[..., : self.n_tail, :], keys], axis=2)
             rv = mx.concatenate([self.tail_v[..., : self.n_tail, :], values], axis=2)
@@ -184,7 +186,8 @@ class KVarNCache(BaseCache):
                 rv[..., : m * G, :].reshape(B, H, m, G, D),
             )
             self._new_tail(rk[..., m * G :, :], rv[..., m * G :, :])
-        step = self._view(n_seen, rk, rv)
+            room = None
+        step = self._view(n_seen, rk, rv, room)
         if short and self.n_tail > G > self.n_tail - L:  # this step completed a tile
             step.after_tile_row = L - (self.n_tail - G)
             step.after_tile = self._after_tile_view(n_seen, step.after_tile_row)
@@ -358,7 +361,7 @@ class KVarNCache(BaseCache):
 
     # -- reading -------------------------------------------------------------
 
-    def _view(self, n_tiles, recent_k, recent_v):
+    def _view(self, n_tiles, recent_k, recent_v, room=None):
         c = self.config
         return StepView(
             self.sink_k,
@@ -371,6 +374,7 @@ class KVarNCache(BaseCache):
             c.v_bits,
             self.rotate_k,
             self.rotate_v,
+            recent_room=room,
         )
 
     def fetched(self, keys, values):
@@ -388,7 +392,10 @@ class KVarNCache(BaseCache):
         step = None if self._step is None else self._step()
         if step is None:
             step = self._view(
-                self.n_tiles, self.tail_k[..., : self.n_tail, :], self.tail_v[..., : self.n_tail, :]
+                self.n_tiles,
+                self.tail_k[..., : self.n_tail, :],
+                self.tail_v[..., : self.n_tail, :],
+                (self.tail_k, self.tail_v),
             )
         return step
 

@@ -213,15 +213,15 @@ def packed_attention_metal(q, view: StepView, scale, causal=True):
     so its arrays are [capacity, B*H, ...] as they are): no slice, no copy.
 
     A decode step builds this for every layer: few ops, no reshapes (q's rows
-    [B, Hq, L] are already the kernel's (b, kv head, rep, i) rows)."""
-    B, Hq, L, D = q.shape
-    tiles = view.tiles
-    sk = view.sink_k
-    Hkv, S, Tn = sk.shape[1], sk.shape[2], view.recent_k.shape[2]
-    G = tiles.group_size
-    n_tiles = min(view.n_tiles, tiles.capacity)
-    R, BH = Hq // Hkv * L, B * Hkv
+    [B, Hq, L] are already the kernel's (b, kv head, rep, i) rows), and what the
+    shapes decide (templates, grids, the params array) found once per shape."""
+    tiles, sk = view.tiles, view.sink_k
+    S, Tn = sk.shape[2], view.recent_k.shape[2]
     kv_dtype = sk.dtype if S else (view.recent_k.dtype if Tn else mx.float16)
+    plan = _plan(q, view, kv_dtype, bool(causal))
+    params = plan.params.get(Tn)
+    if params is None:
+        params = plan.params[Tn] = _evaluated(mx.array([*plan.head, Tn, *plan.rest], mx.int32))
 
     def dense(x, n):
         if n == 0:
@@ -233,18 +233,7 @@ def packed_attention_metal(q, view: StepView, scale, causal=True):
     if isinstance(rot, mx.array):  # per kv head
         qr = mx.where(_query_flags(rot, q.shape), mx.hadamard_transform(qf), qf)
     else:
-        qr = quant.rotate(qf) if rot else qf
-    rc = _rows_per_group(R, D, G)
-    n_rc = -(-R // rc)
-    n_split = 0
-    tps = 1
-    if n_tiles:
-        want = max(1, -(-_ATT_TARGET_GROUPS // (BH * n_rc)))
-        tps = -(-n_tiles // min(n_tiles, want))
-        n_split = -(-n_tiles // tps)
-    NS = n_split + 2  # sink split, tile splits, tail split
-    params = mx.array([n_tiles, BH, S, Tn, tps, L, R, int(bool(causal)), NS, n_rc], dtype=mx.int32)
-
+        qr = mx.hadamard_transform(qf) if rot else qf
     k1 = _kernel(
         "kvarn_attention_split",
         _SPLIT_INPUTS,
@@ -263,18 +252,10 @@ def packed_attention_metal(q, view: StepView, scale, causal=True):
             params,
             _scalar(scale),
         ],
-        template=[
-            ("T", kv_dtype),
-            ("SC", tiles.k_a.dtype),
-            ("D", D),
-            ("G", G),
-            ("KB", view.k_bits),
-            ("VB", view.v_bits),
-            ("RC", rc),
-        ],
-        grid=(_ATT_THREADS, NS, BH * n_rc),
+        template=plan.split_template,
+        grid=plan.split_grid,
         threadgroup=(_ATT_THREADS, 1, 1),
-        output_shapes=[(BH, NS, R, D), (BH, NS, R), (BH, NS, R)],
+        output_shapes=plan.split_shapes,
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
     k2 = _kernel(
@@ -285,14 +266,78 @@ def packed_attention_metal(q, view: StepView, scale, causal=True):
     )
     o_dense, o_rot = k2(
         inputs=[o_part, m_part, l_part, params],
-        template=[("D", D)],
-        grid=(D, BH * R, 1),
-        threadgroup=(min(D, 256), 1, 1),
-        output_shapes=[(B, Hq, L, D), (B, Hq, L, D)],  # rows bh*R + r are q's rows
+        template=plan.combine_template,
+        grid=plan.combine_grid,
+        threadgroup=plan.combine_threadgroup,
+        output_shapes=plan.combine_shapes,  # rows bh*R + r are q's rows
         output_dtypes=[mx.float32, mx.float32],
     )
     out = o_dense + (mx.hadamard_transform(o_rot) if view.rotate_v else o_rot)
     return out.astype(q.dtype)
+
+
+class _Plan:
+    """What packed_attention_metal's shapes decide, and its params arrays by tail length."""
+
+    def __init__(self, q, view, kv_dtype, causal):
+        B, Hq, L, D = q.shape
+        tiles = view.tiles
+        Hkv, S = view.sink_k.shape[1], view.sink_k.shape[2]
+        G = tiles.group_size
+        n_tiles = min(view.n_tiles, tiles.capacity)
+        R, BH = Hq // Hkv * L, B * Hkv
+        rc = _rows_per_group(R, D, G)
+        n_rc = -(-R // rc)
+        n_split = 0
+        tps = 1
+        if n_tiles:
+            want = max(1, -(-_ATT_TARGET_GROUPS // (BH * n_rc)))
+            tps = -(-n_tiles // min(n_tiles, want))
+            n_split = -(-n_tiles // tps)
+        NS = n_split + 2  # sink split, tile splits, tail split
+        # params: [n_tiles, BH, S, Tn, tps, L, R, causal, NS, n_rc], Tn per step
+        self.head, self.rest = (n_tiles, BH, S), (tps, L, R, int(causal), NS, n_rc)
+        self.params = {}
+        self.split_template = [
+            ("T", kv_dtype),
+            ("SC", tiles.k_a.dtype),
+            ("D", D),
+            ("G", G),
+            ("KB", view.k_bits),
+            ("VB", view.v_bits),
+            ("RC", rc),
+        ]
+        self.split_grid = (_ATT_THREADS, NS, BH * n_rc)
+        self.split_shapes = [(BH, NS, R, D), (BH, NS, R), (BH, NS, R)]
+        self.combine_template = [("D", D)]
+        self.combine_grid = (D, BH * R, 1)
+        self.combine_threadgroup = (min(D, 256), 1, 1)
+        self.combine_shapes = [(B, Hq, L, D), (B, Hq, L, D)]
+
+
+_plans = {}
+
+
+def _plan(q, view, kv_dtype, causal):
+    tiles = view.tiles
+    key = (
+        *q.shape,
+        *view.sink_k.shape[1:3],
+        kv_dtype,
+        tiles.k_a.dtype,
+        tiles.group_size,
+        min(view.n_tiles, tiles.capacity),
+        view.k_bits,
+        view.v_bits,
+        causal,
+        _ATT_TARGET_GROUPS,
+    )
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) > 4096:  # shapes of caches long gone
+            _plans.clear()
+        plan = _plans[key] = _Plan(q, view, kv_dtype, causal)
+    return plan
 
 
 _SPLIT_INPUTS = [

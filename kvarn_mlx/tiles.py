@@ -199,3 +199,7 @@ class StepView:
     # `after_tile` (that tile quantized, as one-token decoding would see it).
     after_tile_row: int = 0
     after_tile: "StepView | None" = None
+    # (k, v) buffers whose first R tokens are recent_k/v (R = recent_k.shape[2]), the
+    # rest room: attention may read them whole with R as a count (a shape that
+    # changes once per buffer growth, not every step). None: recent_k/v only.
+    recent_room: tuple | None = None

@@ -543,3 +543,60 @@ def test_tile_streams_belong_to_each_thread():
         t.join()
     assert not errors, errors
     assert len(got) == 2 and all(np.allclose(g, want, atol=1e-6) for g in got)
+
+
+@pytest.mark.parametrize("preset, sink", [("k4v2_g128", 128), ("auto4v2", 128), ("k2v2_g64", 0)])
+def test_compiled_decode_steps_match_attend_and_the_reference(preset, sink, monkeypatch):
+    # Decode steps on the ops path run attend() through mx.compile over the whole tail
+    # buffer; over steps that cross tail-buffer growths and tile commits, every step
+    # must equal attend() on the exact recent tokens and the reference.
+    from kvarn_mlx import attention, dispatch
+
+    monkeypatch.setattr(dispatch, "use_metal", lambda: False)
+    rng = np.random.default_rng(21)
+    cfg = replace(get_preset(preset), sink=sink)
+    G = cfg.group_size
+    D, H, gqa = 64, 2, 3
+    cache = KVarNCache(cfg)
+    k, v = kv_data(rng, 1, H, sink + 9 * G - 40, D)
+    feed(cache, k, v)
+    calls = []
+    compiled = attention._compiled
+    monkeypatch.setattr(attention, "_compiled", lambda *a: calls.append(a[3].shape) or compiled(*a))
+    rooms = set()
+    for i in range(G + 8):
+        q, *_ = step(cache, rng, 1, H * gqa, 1, D)
+        view = cache.step_view()
+        got = packed_attention(q, cache, D**-0.5)
+        rooms.add((view.n_tiles, view.recent_room[0].shape[2]))
+        exact = replace(view, recent_room=None)
+        want = attention.attend(q, exact, D**-0.5)
+        check_close(
+            got, np.array(want).astype(np.float64), f"compiled vs attend, step {i}", 1e-5, 1e-5
+        )
+        if i % 16 == 0:
+            check_close(got, reference_output(cache, q, D**-0.5), f"compiled vs reference {i}")
+    assert len(calls) == G + 8
+    assert len({n for n, _ in rooms}) >= 2 and len({r for _, r in rooms}) >= 2, rooms
+
+
+def test_compiled_decode_starts_afresh_after_max_traces(monkeypatch):
+    # mx.compile keeps every trace; the decode path drops them after MAX_TRACES so that a
+    # long generation's old shapes do not slow the lookup. Results stay the same.
+    from kvarn_mlx import attention, dispatch
+
+    monkeypatch.setattr(dispatch, "use_metal", lambda: False)
+    monkeypatch.setattr(attention, "MAX_TRACES", 1)
+    rng = np.random.default_rng(22)
+    D, H = 64, 2
+    cache = KVarNCache("k4v2_g128")
+    feed(cache, *kv_data(rng, 1, H, 128 + 2 * 128 + 20, D))
+    made = []
+    compile = mx.compile
+    monkeypatch.setattr(mx, "compile", lambda f: made.append(f) or compile(f))
+    for i in range(80):  # crosses tail-buffer growths: new shapes, new traces
+        q, *_ = step(cache, rng, 1, H, 1, D)
+        got = packed_attention(q, cache, D**-0.5)
+        want = attention.attend(q, replace(cache.step_view(), recent_room=None), D**-0.5)
+        check_close(got, np.array(want).astype(np.float64), f"step {i}", 1e-5, 1e-5)
+    assert len(made) >= 2 and attention._traces <= 2
