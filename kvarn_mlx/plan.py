@@ -11,6 +11,39 @@ layer's cache class, kv heads, head dims and dtype; small real caches of those c
 and shapes give each layer's growth rule. Room depends on the order the tokens came in
 (prompt chunks, decode steps); the planner counts the most any order leaves, so a
 context that "fits" fits whatever the prompt's length.
+
+Quality (plan_kl.py): each cache's mean KL to the plain cache where it is known,
+measured (the embedded models) or predicted by --profile, which also adds the
+calibrated mix; --max-kl keeps the caches within that KL.
+
+--json prints one object:
+  model, model_type, dtype           the model, its mlx-lm type, the KV dtype planned
+  dtype_note                         why the dtype was assumed, or null
+  layers                             its cache layers, in words
+  max_position_embeddings            from config.json, or null
+  weights_bytes, weights_source      the weights' bytes and where they were read
+  budget_bytes, budget_source        the memory budget and where it came from
+  overhead_bytes                     the allowance (--overhead)
+  kv_budget_bytes                    budget - weights - allowance
+  prefill_step_size, context, max_kl the options (context, max_kl: null when not given)
+  kl_source                          what the KLs are (measured where, predicted from
+                                     which profile), or null when none is known
+  mix                                the calibrated mix (mix.Mix.summary(): widths per
+                                     layer, tile bytes per token, predicted_kl, target),
+                                     or null
+  caches                             one object per cache:
+    cache, note, warning             its name, what it is, a caveat or null
+    kl, kl_source                    mean KL to the plain cache and "measured",
+                                     "predicted" or "reference"; null, null if unknown
+    within_max_kl                    (with --max-kl) kl <= max_kl, or null if unknown
+    error                            why the cache does not apply (then none below)
+    bytes_per_token                  bytes each further token adds
+    longest_context                  the most tokens that fit, or null (no limit)
+    kv_bytes_at_context, fits_context  (with --context) the most the caches can hold
+                                     at any step up to that many tokens, and whether
+                                     it is within kv_budget_bytes
+  longest_context_at_max_kl          (with --max-kl) {cache, tokens} of the cache within
+                                     the KL that fits the longest context, or null
 """
 
 import argparse
@@ -399,8 +432,10 @@ def format_plan(p):
             )
     legend = (
         "KV bytes/token: what each further token adds (sliding-window and recurrent layers add "
-        "nothing). Longest context: the most every cache layer can hold up to that many tokens, "
-        "sink, tail buffer and preallocated room included, with prompts prefilled in chunks of "
+        "nothing). Longest context (and KV at a context): the most every cache layer can hold "
+        "at any step up to that many tokens, whatever the order of prompt chunks and decode "
+        "steps: sink, tail buffer (with a finished tile waiting for its commit turn) and "
+        "preallocated room included, with prompts prefilled in chunks of "
         f"{p['prefill_step_size']:,} tokens at most. The allowance does not grow with the "
         "context: transient buffers of a long prefill that do (a chunk's attention scores where "
         "attention is not fused) are not in it. Mean KL: to the plain cache, "
