@@ -160,7 +160,7 @@ def attend(queries, view: StepView, scale, mask=None, sinks=None, recent_len=Non
     if S:
         parts.append(dense(sk, sv, mask_sink))
     if tiles is not None:
-        q_rot = quant.rotated_where(view.rotate_k, q, quant.rotate)
+        q_rot = quant.rotated_where(view.rotate_k, q, quant.rotate)[None]
         tile_parts = []
         for (lo, hi), stream in _tile_ranges(n):
             with mx.stream(stream):
@@ -188,14 +188,17 @@ def _softmax_part(s, values, axes=-1):
 
 
 def _tile_part(q_rot, tiles, lo, hi, view, mask, shape):
-    """Tiles [lo, hi): (max, sum, output in the rotated basis), [B, H, rows, 1 | 1 | D]."""
+    """Tiles [lo, hi): (max, sum, output in the rotated basis), [B, H, rows, 1 | 1 | D];
+    q_rot [1, B, H, rows, D]."""
     B, H, n_rep, L = shape
     k = hi - lo
     G, D = tiles.group_size, q_rot.shape[-1]
-    # scales as float32
-    ka, kb, kt = (fp8.to_float32(x[lo:hi]) for x in (tiles.k_a, tiles.k_b, tiles.k_t))
+    # quantized_matmul's scales as float32; the token and channel scales multiply float32
+    # products, which promote them (a cast mx.compile fuses into the product)
+    ka, kb = (fp8.to_float32(x[lo:hi]) for x in (tiles.k_a, tiles.k_b))
+    kt = fp8.decoded(tiles.k_t[lo:hi])
     st = mx.quantized_matmul(
-        q_rot[None],
+        q_rot,
         tiles.k_words[lo:hi],
         ka[..., None],
         kb[..., None],
@@ -210,7 +213,7 @@ def _tile_part(q_rot, tiles, lo, hi, view, mask, shape):
     def values(e):
         v = (
             _tile_values(e, tiles, lo, hi, view.v_bits, D)
-            * fp8.to_float32(tiles.v_c[lo:hi])[:, :, :, None, :]
+            * fp8.decoded(tiles.v_c[lo:hi])[:, :, :, None, :]
         )
         return v.sum(axis=0)
 

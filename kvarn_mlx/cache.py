@@ -138,25 +138,25 @@ class KVarNCache(BaseCache):
         else:
             # Check before changing anything: a mismatch (e.g. a prompt-cache file made for
             # another model) must leave the cache as it was.
-            for x, held in ((keys, self.sink_k), (values, self.sink_v)):
-                if x.shape[:2] != held.shape[:2] or x.shape[3] != held.shape[3]:
-                    b, h, _, d = held.shape
-                    raise ValueError(
-                        f"this KVarNCache holds batch {b}, {h} kv heads, head dim {d}; "
-                        f"got keys/values of shape {tuple(x.shape)} "
-                        "(a prompt cache made for another model?)"
-                    )
+            b, h, _, d = self.sink_k.shape
+            if (B, H, D) != (b, h, d) or values.shape != keys.shape:
+                raise ValueError(
+                    f"this KVarNCache holds batch {b}, {h} kv heads, head dim {d}; "
+                    f"got keys of shape {tuple(keys.shape)}, values {tuple(values.shape)} "
+                    "(a prompt cache made for another model?)"
+                )
         if self.key_candidates is not None:  # no attention call decided: the keys stand in
             self.decide_key_rotation()
         short = L <= self.short_step
-        self._commit(short, L)  # a short step's whole tiles, before this step reads the tiles
+        if self.n_tail >= G:  # a short step's whole tiles, before this step reads the tiles
+            self._commit(short, L)
         n_seen = self.n_tiles
         self.offset += L
 
         # 1. The sink fills first.
         # It grows by concatenation: at most S tokens ever, and no unused room.
-        n = min(L, S - self.n_sink)
-        if n > 0:
+        if self.n_sink < S:
+            n = min(L, S - self.n_sink)
             self.sink_k = mx.concatenate(
                 [self.sink_k[..., : self.n_sink, :], keys[..., :n, :]], axis=2
             )
@@ -165,12 +165,13 @@ class KVarNCache(BaseCache):
             )
             self.n_sink += n
             keys, values = keys[..., n:, :], values[..., n:, :]
-        L = keys.shape[2]
+            L -= n
 
         # 2. The rest joins the tail; every whole tile is quantized, once (a short
         # step's at the next update).
         if self.n_tail + L < G or short:
-            self._grow_tail(self.n_tail + L)
+            if self.n_tail + L > self.tail_k.shape[2]:
+                self._grow_tail(self.n_tail + L)
             # [:, :, a:b] rather than [..., a:b, :]: a decode step's cheapest indexing
             self.tail_k[:, :, self.n_tail : self.n_tail + L] = keys
             self.tail_v[:, :, self.n_tail : self.n_tail + L] = values

@@ -27,6 +27,11 @@ def to_float32(s):
     return mx.from_fp8(s, dtype=mx.float32) if s.dtype == mx.uint8 else s.astype(mx.float32)
 
 
+def decoded(s):
+    """Stored scales as a float dtype: e4m3 bytes decoded to float32, others as they are."""
+    return mx.from_fp8(s, dtype=mx.float32) if s.dtype == mx.uint8 else s
+
+
 def fit_exponents(a, b, col, live):
     """k per tile such that a, b times 2^k and col over 2^k fit e4m3.
 
