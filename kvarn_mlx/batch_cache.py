@@ -14,8 +14,9 @@ The rows' tiles live side by side in one storage (batch_tiles.py), written once
 per tile, so a decode step (one token per row) attends over every row in one
 graph: the shared tiles up to the longest row's count, the sinks and recent
 tokens padded to the longest row's, and a mask of each row's own columns, as
-mlx-lm's BatchKVCache masks its left padding. Longer query chunks (prompts)
-attend per row over the row's cache.
+mlx-lm's BatchKVCache masks its left padding (on Metal, the attention kernel
+given each row's lengths). Longer query chunks (prompts) attend per row over
+the row's cache.
 """
 
 import copy
@@ -25,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_causal_mask
 
-from . import attention, batch_tiles
+from . import attention, batch_tiles, dispatch, kernels
 from .batch_tiles import RowTiles
 from .cache import KVarNCache
 from .mlx_lm_private import BaseCache
@@ -181,7 +182,7 @@ class BatchKVarNCache(BaseCache):
             self._rotate_k([v.rotate_k for v in steps], v0.sink_k.shape[1]),
             v0.rotate_v,
         )
-        self._together = (view, _own_columns(*counts, G))
+        self._together = (view, counts)
         head = self._head_of(view, keys.dtype)
         index = _layout_index(tuple(self._left), *counts, G)
         k, v = (
@@ -273,11 +274,21 @@ class BatchKVarNCache(BaseCache):
     def _attend_together(self, queries, scale, sinks):
         """One decode step of every row in one graph: the shared tiles [0, most
         tiles of a row), each row's sink and recent tokens padded to the longest,
-        and a mask of each row's own columns (the view _decode built)."""
+        and a mask of each row's own columns (the view _decode built); on Metal the
+        attention kernel, given each row's lengths."""
         for r in self.rows:
             r.step_view()  # read: the rows' caches know the model attends on their tiles
-        view, mask = self._together
-        out = attention.attend(queries, view, scale, mask, sinks)
+        view, counts = self._together
+        out = None
+        if view.tiles is not None and sinks is None and dispatch.use_metal():
+            reason = kernels.attention_unsupported(queries, view)
+            if reason is None:  # the kernel reads each row's own lengths
+                out = kernels.packed_attention_metal(queries, view, scale, False, _lengths(counts))
+            else:
+                dispatch.fallback("attention", reason)
+        if out is None:
+            G = self.rows[0].config.group_size
+            out = attention.attend(queries, view, scale, _own_columns(*counts, G), sinks)
         if any(r.n_tiles > view.n_tiles for r in self.rows):
             # as attention.packed_attention: tiles quantized in this step are
             # written when the step's output is evaluated
@@ -420,6 +431,20 @@ def _own_columns(sinks_n, tiles_n, recent_n, G):
             own[b, S + n * G : S + n * G + r] = True
         _masks[key] = mx.array(own[:, None, None, :])
     return _masks[key]
+
+
+_lens = {}
+
+
+def _lengths(counts):
+    """The Metal kernel's row_lens [B, 3] (tiles, sink, recent tokens per row), made once
+    per step (the layers share it)."""
+    if counts not in _lens:
+        if len(_lens) > 64:
+            _lens.clear()
+        sinks_n, tiles_n, recent_n = counts
+        _lens[counts] = mx.array(list(zip(tiles_n, sinks_n, recent_n)), mx.int32)
+    return _lens[counts]
 
 
 # (left padding, sink, tiles, recent tokens per row, G) -> for each column of the

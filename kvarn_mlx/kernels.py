@@ -205,7 +205,7 @@ def _rows_per_group(R, D, G):
     return rc
 
 
-def packed_attention_metal(q, view: StepView, scale, causal=True):
+def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None):
     """Attention of queries q [B, Hq, L, D] (unrotated, L <= 8) over one layer's
     StepView: sink + tiles [0, view.n_tiles) of the storage + recent tokens; one
     softmax, causal for L > 1. Returns [B, Hq, L, D] in q's dtype. For input
@@ -214,14 +214,22 @@ def packed_attention_metal(q, view: StepView, scale, causal=True):
 
     A decode step builds this for every layer: few ops, no reshapes (q's rows
     [B, Hq, L] are already the kernel's (b, kv head, rep, i) rows), and what the
-    shapes decide (templates, grids, the params array) found once per shape."""
+    shapes decide (templates, grids, the params array) found once per shape.
+
+    row_lens: int32 [B, 3], per batch row its own tiles, sink and tail tokens,
+    where a batch's rows pad to the longest (batch_cache.py); None: all of them."""
     tiles, sk = view.tiles, view.sink_k
     S, Tn = sk.shape[2], view.recent_k.shape[2]
     kv_dtype = sk.dtype if S else (view.recent_k.dtype if Tn else mx.float16)
     plan = _plan(q, view, kv_dtype, bool(causal))
-    params = plan.params.get(Tn)
+    if row_lens is None:
+        row_lens = _lengths(plan.head[0], S, Tn)
+    n_rows = row_lens.shape[0]
+    params = plan.params.get((Tn, n_rows))
     if params is None:
-        params = plan.params[Tn] = _evaluated(mx.array([*plan.head, Tn, *plan.rest], mx.int32))
+        params = plan.params[Tn, n_rows] = _evaluated(
+            mx.array([*plan.head, Tn, *plan.rest, n_rows], mx.int32)
+        )
 
     def dense(x, n):
         if n == 0:
@@ -250,6 +258,7 @@ def packed_attention_metal(q, view: StepView, scale, causal=True):
             dense(view.recent_k, Tn),
             dense(view.recent_v, Tn),
             params,
+            row_lens,
             _scalar(scale),
         ],
         template=plan.split_template,
@@ -295,8 +304,9 @@ class _Plan:
             tps = -(-n_tiles // min(n_tiles, want))
             n_split = -(-n_tiles // tps)
         NS = n_split + 2  # sink split, tile splits, tail split
-        # params: [n_tiles, BH, S, Tn, tps, L, R, causal, NS, n_rc], Tn per step
-        self.head, self.rest = (n_tiles, BH, S), (tps, L, R, int(causal), NS, n_rc)
+        # params: [n_tiles, BH, S, Tn, tps, L, R, causal, NS, n_rc, Hkv, n_rows], Tn per
+        # step, n_rows: of row_lens
+        self.head, self.rest = (n_tiles, BH, S), (tps, L, R, int(causal), NS, n_rc, Hkv)
         self.params = {}
         self.split_template = [
             ("T", kv_dtype),
@@ -356,12 +366,24 @@ _SPLIT_INPUTS = [
     "tail_k",
     "tail_v",
     "params",
+    "row_lens",
     "scale",
 ]
 _constants = {}
 
 
 _flags = {}
+_lens = {}
+
+
+def _lengths(n_tiles, S, Tn):
+    """row_lens of a view whose rows all hold every token: [[n_tiles, S, Tn]], made once."""
+    key = (n_tiles, S, Tn)
+    if key not in _lens:
+        if len(_lens) > 4096:
+            _lens.clear()
+        _lens[key] = mx.array([key], mx.int32)
+    return _lens[key]
 
 
 def _query_flags(rot, shape):

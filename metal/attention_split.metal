@@ -16,7 +16,10 @@
 //          k_words [NCAP, BH, D, G*KB/32] uint32; k_a, k_b [NCAP, BH, D] SC; k_t [NCAP, BH, G] SC
 //          v_words [NCAP, BH, G, D*VB/32] uint32; v_a, v_b [NCAP, BH, G] SC; v_c [NCAP, BH, D] SC
 //          (SC: a float type, or uint8 holding e4m3 scales: kvarn_scale reads either)
-//          params int32 [n_tiles, BH, S, Tn, tiles_per_split, L, R, causal, NS, n_rc]
+//          params int32 [n_tiles, BH, S, Tn, tiles_per_split, L, R, causal, NS, n_rc, Hkv, n_rows]
+//          row_lens int32 [n_rows, 3]: per batch row (bh / Hkv; the last for rows beyond),
+//            its own tiles, sink and tail tokens (<= n_tiles, S, Tn: the arrays' widths;
+//            a batch pads shorter rows, and these leave the padding unread)
 //          scale float32 [1]
 // outputs: o_part [BH, NS, R, D], m_part [BH, NS, R], l_part [BH, NS, R] (float32)
 // template: T, SC, D, G, KB, VB, RC
@@ -54,7 +57,10 @@ const int split = int(threadgroup_position_in_grid.y);
 const int bh = int(threadgroup_position_in_grid.z) / n_rc;
 const int rc = int(threadgroup_position_in_grid.z) % n_rc;
 const int row0 = rc * RC;
-const int total = S + n_tiles * G + Tn;
+const int Hkv = params[10], n_rows = params[11];
+const int rb = metal::min(bh / Hkv, n_rows - 1);
+const int n_own = row_lens[rb * 3], S_own = row_lens[rb * 3 + 1], Tn_own = row_lens[rb * 3 + 2];
+const int total = S_own + n_own * G + Tn_own;
 
 // score-phase coordinates
 const int gs = int(tid) / CP, cp = int(tid) % CP;
@@ -65,12 +71,13 @@ const int d0 = (int(sg) * CL + cl) * CPT;
 // this split's blocks: dense (sink / tail) blocks of up to G tokens, or tiles
 const bool dense = split == 0 || split == NS - 1;
 const bool is_sink = split == 0;
-const int dlen = is_sink ? S : Tn;  // tokens in this split's dense array (per kv head)
+const int dlen = is_sink ? S : Tn;  // width of this split's dense array (per kv head)
+const int down = is_sink ? S_own : Tn_own;  // the row's own tokens in it
 int nblk, first;
-if (dense) { nblk = (dlen + G - 1) / G; first = 0; }
+if (dense) { nblk = (down + G - 1) / G; first = 0; }
 else {
   first = (split - 1) * tps;
-  nblk = metal::max(0, metal::min(n_tiles, first + tps) - first);
+  nblk = metal::max(0, metal::min(n_own, first + tps) - first);
 }
 
 float m_run = KVARN_NEG, l_run = 0.0f;  // meaningful in simdgroup sg < RC (row sg)
@@ -82,8 +89,8 @@ for (int blk = 0; blk < nblk; blk++) {
   // block geometry: tile index n (packed) or dense rows [base, base+cnt)
   const int n = first + blk;
   const size_t tb = size_t(n) * BH + bh;  // packed tile index
-  const int cnt = dense ? metal::min(G, dlen - blk * G) : G;
-  const int pos0 = dense ? (is_sink ? 0 : S + n_tiles * G) + blk * G : S + n * G;
+  const int cnt = dense ? metal::min(G, down - blk * G) : G;
+  const int pos0 = dense ? (is_sink ? 0 : S_own + n_own * G) + blk * G : S_own + n * G;
   const size_t dbase = (size_t(bh) * dlen + blk * G) * D;  // first row of a dense block
 
   // ---- A: fold the key scales into the query rows

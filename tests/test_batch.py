@@ -513,10 +513,10 @@ def test_batch_generate_on_the_embedded_model(smollm):
 
 
 @pytest.mark.emulator
-def test_metal_backend_decodes_the_batch_in_one_graph(monkeypatch):
-    # With the Metal backend on (a device, or the MSL emulator on Linux), a batch
-    # gives the ops path's tokens. Its decode steps attend over all rows in one
-    # graph of MLX ops: the attention kernel takes one length for every row.
+def test_metal_kernel_decodes_all_rows_in_one_call(monkeypatch):
+    # The batch's decode steps reach the Metal attention kernel (a device, or the MSL
+    # emulator on Linux) once for all rows, each row read to its own lengths, and
+    # give the ops path's tokens.
     import metal_emulator
     from kvarn_mlx import kernels
 
@@ -524,7 +524,8 @@ def test_metal_backend_decodes_the_batch_in_one_graph(monkeypatch):
     if not metal_emulator.NATIVE and mslemu is None:
         pytest.skip(metal_emulator.SKIP_REASON)
     model, tok = tiny_model("llama64"), tokenizer()
-    prompts = [[t % 255 for t in tokens(n, seed=31 + i)] for i, n in enumerate([90, 110])]
+    # rows of 0 and 2 tiles, and sinks and tails of their own lengths
+    prompts = [[t % 255 for t in tokens(n, seed=31 + i)] for i, n in enumerate([60, 150])]
     make = lambda: make_cache(model, CFG)
     monkeypatch.setattr(dispatch, "_backend", "ops")
     want = batch_generate(
@@ -537,10 +538,8 @@ def test_metal_backend_decodes_the_batch_in_one_graph(monkeypatch):
     ).token_ids
     calls = []
     kernel = kernels.packed_attention_metal
-    monkeypatch.setattr(kernels, "packed_attention_metal", lambda *a: calls.append(1) or kernel(*a))
-    attend = attention.attend
     monkeypatch.setattr(
-        attention, "attend", lambda q, *a, **k: calls.append(q.shape[0]) or attend(q, *a, **k)
+        kernels, "packed_attention_metal", lambda q, *a: calls.append(q.shape[0]) or kernel(q, *a)
     )
     monkeypatch.setattr(dispatch, "_backend", "auto")
     with contextlib.ExitStack() as stack:
@@ -556,6 +555,42 @@ def test_metal_backend_decodes_the_batch_in_one_graph(monkeypatch):
             return_token_ids=True,
         ).token_ids
     assert [len(g) for g in got] == [12, 12]
-    # two layers, every decode step, both rows in one call, no kernel call
-    assert set(calls) == {2} and len(calls) >= 2 * 11
+    assert set(calls) == {2} and len(calls) >= 2 * 11  # two layers, the decode steps
     assert got == want
+
+
+@pytest.mark.emulator
+def test_metal_kernel_reads_each_row_to_its_own_lengths(monkeypatch):
+    # Rows of 0, 1 and 3 tiles, sinks of 10 and 16 tokens, tails of their own
+    # lengths: the kernel's one call equals each row's own attention (ops path).
+    import metal_emulator
+    from kvarn_mlx import kernels
+
+    mslemu = None if metal_emulator.NATIVE else metal_emulator.load()
+    if not metal_emulator.NATIVE and mslemu is None:
+        pytest.skip(metal_emulator.SKIP_REASON)
+    run = Run([230, 9, 100])
+    B = len(run.singles)
+    k, v = randn(B, H, 1, D, seed=70), randn(B, H, 1, D, seed=71)
+    q = randn(B, HQ, 1, D, seed=72)
+    run.batch.update_and_fetch(k, v)
+    calls = []
+    kernel = kernels.packed_attention_metal
+    monkeypatch.setattr(
+        kernels, "packed_attention_metal", lambda q, *a: calls.append(q.shape[0]) or kernel(q, *a)
+    )
+    monkeypatch.setattr(dispatch, "_backend", "auto")
+    with contextlib.ExitStack() as stack:
+        if mslemu is not None:
+            stack.enter_context(mslemu.patch_mlx())
+            stack.enter_context(mslemu.options_scope(lint="0"))
+        got = run.batch.attention(q, SCALE, run.batch.make_mask(1))
+        mx.eval(got)
+    assert calls == [B]
+    monkeypatch.setattr(dispatch, "_backend", "ops")
+    for b, c in enumerate(run.singles):
+        c.update_and_fetch(k[b : b + 1], v[b : b + 1])
+        want = attention.packed_attention(q[b : b + 1], c, SCALE)
+        np.testing.assert_allclose(np.array(got[b]), np.array(want[0]), rtol=1e-4, atol=1e-5)
+    assert [c.n_tiles for c in run.singles] == [3, 0, 1]
+    assert [c.n_sink for c in run.singles] == [16, 10, 16]
