@@ -270,19 +270,18 @@ def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None)
     k2 = _kernel(
         "kvarn_attention_combine",
         ["o_part", "m_part", "l_part", "params"],
-        ["o_dense", "o_rot"],
+        ["out"],
         "attention_combine.metal",
     )
-    o_dense, o_rot = k2(
+    (out,) = k2(
         inputs=[o_part, m_part, l_part, params],
         template=plan.combine_template,
         grid=plan.combine_grid,
         threadgroup=plan.combine_threadgroup,
         output_shapes=plan.combine_shapes,  # rows bh*R + r are q's rows
-        output_dtypes=[mx.float32, mx.float32],
+        output_dtypes=[q.dtype],
     )
-    out = o_dense + (mx.hadamard_transform(o_rot) if view.rotate_v else o_rot)
-    return out.astype(q.dtype)
+    return out
 
 
 class _Plan:
@@ -319,10 +318,10 @@ class _Plan:
         ]
         self.split_grid = (_ATT_THREADS, NS, BH * n_rc)
         self.split_shapes = [(BH, NS, R, D), (BH, NS, R), (BH, NS, R)]
-        self.combine_template = [("D", D)]
+        self.combine_template = [("T", q.dtype), ("D", D), ("ROT", bool(view.rotate_v))]
         self.combine_grid = (D, BH * R, 1)
-        self.combine_threadgroup = (min(D, 256), 1, 1)
-        self.combine_shapes = [(B, Hq, L, D), (B, Hq, L, D)]
+        self.combine_threadgroup = (D, 1, 1)  # D <= 256: one threadgroup per row
+        self.combine_shapes = [(B, Hq, L, D)]
 
 
 _plans = {}
@@ -339,6 +338,8 @@ def _plan(q, view, kv_dtype, causal):
         min(view.n_tiles, tiles.capacity),
         view.k_bits,
         view.v_bits,
+        bool(view.rotate_v),
+        q.dtype,
         causal,
         _ATT_TARGET_GROUPS,
     )

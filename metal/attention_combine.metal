@@ -1,13 +1,20 @@
-// KVarN decode attention, pass 2 of 2: merge the per-split softmax partials.
+// KVarN decode attention, pass 2 of 2: merge the per-split softmax partials, then
+// rotate the tile splits' part back and add the dense splits' part.
 // Body for mx.fast.metal_kernel; header: kvarn_common.h.
 //
 // inputs:  o_part [BH, NS, R, D], m_part, l_part [BH, NS, R] (float32), params int32 (as pass 1)
-// outputs: o_dense [BH*R, D] (unrotated: sink split 0 and tail split NS-1),
-//          o_rot [BH*R, D] (rotated: the tile splits), both already divided by the total sum.
-// template: D
-// grid (D, BH*R, 1), threadgroup (min(D, 256), 1, 1).
+// outputs: out [BH*R, D] T: o_dense + H(o_rot), where o_dense is the unrotated sink (split 0)
+//          and tail (split NS-1) part, o_rot the rotated tile splits' part (H: the
+//          normalized Sylvester Hadamard transform, as mx.hadamard_transform, when ROT;
+//          else the identity), both divided by the total sum.
+// template: T (output dtype), D (a power of two, <= 256), ROT (values stored rotated)
+// grid (D, BH*R, 1), threadgroup (D, 1, 1): one threadgroup per query row.
 //
-// Thread -> data: thread (d, row) merges channel d of query row `row` (= bh*R + r) over all NS splits.
+// Thread -> data: thread (d, row) merges channel d of query row `row` (= bh*R + r) over all
+// NS splits; the row's D threads then transform o_rot in threadgroup memory (log2 D
+// butterfly stages).
+threadgroup float rot[D];
+
 const int R = params[6], NS = params[8];
 const uint d = thread_position_in_grid.x;
 const uint row = thread_position_in_grid.y;
@@ -27,5 +34,16 @@ for (int s = 0; s < NS; s++) {
   }
 }
 const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
-o_dense[size_t(row) * D + d] = od * inv;
-o_rot[size_t(row) * D + d] = orot * inv;
+float x = orot * inv;
+if (ROT) {
+  rot[d] = x;
+  threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  for (uint h = 1; h < uint(D); h <<= 1) {
+    const float a = rot[d], b = rot[d ^ h];
+    threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+    rot[d] = (d & h) ? b - a : a + b;
+    threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  }
+  x = rot[d] * metal::rsqrt(float(D));
+}
+out[size_t(row) * D + d] = T(od * inv + x);
