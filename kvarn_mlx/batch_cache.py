@@ -168,7 +168,9 @@ class BatchKVarNCache(BaseCache):
             tuple(v.recent_k.shape[2] for v in steps),
         )
         n, G = max(counts[1]), self.rows[0].config.group_size
-        S, R = max(counts[0]), max(counts[2])
+        # recent tokens padded to whole ROOM tokens: the shapes of the step (and of
+        # a compiled attention's trace) change once per ROOM steps and per tile
+        S, R = max(counts[0]), -(-max(counts[2]) // ROOM) * ROOM
         v0 = steps[0]
         view = StepView(
             _padded([v.sink_k for v in steps], S),
@@ -182,9 +184,9 @@ class BatchKVarNCache(BaseCache):
             self._rotate_k([v.rotate_k for v in steps], v0.sink_k.shape[1]),
             v0.rotate_v,
         )
-        self._together = (view, counts)
+        self._together = (view, counts, R)
         head = self._head_of(view, keys.dtype)
-        index = _layout_index(tuple(self._left), *counts, G)
+        index = _layout_index(tuple(self._left), counts, G, R)
         k, v = (
             mx.take_along_axis(
                 mx.concatenate(
@@ -278,7 +280,7 @@ class BatchKVarNCache(BaseCache):
         attention kernel, given each row's lengths."""
         for r in self.rows:
             r.step_view()  # read: the rows' caches know the model attends on their tiles
-        view, counts = self._together
+        view, counts, R = self._together
         out = None
         if view.tiles is not None and sinks is None and dispatch.use_metal():
             reason = kernels.attention_unsupported(queries, view)
@@ -287,8 +289,11 @@ class BatchKVarNCache(BaseCache):
             else:
                 dispatch.fallback("attention", reason)
         if out is None:
-            G = self.rows[0].config.group_size
-            out = attention.attend(queries, view, scale, _own_columns(*counts, G), sinks)
+            mask = _own_columns(counts, self.rows[0].config.group_size, R)
+            if attention.COMPILE and sinks is None:
+                out = _attend_compiled(queries, view, scale, mask)
+            else:
+                out = attention.attend(queries, view, scale, mask, sinks)
         if any(r.n_tiles > view.n_tiles for r in self.rows):
             # as attention.packed_attention: tiles quantized in this step are
             # written when the step's output is evaluated
@@ -409,21 +414,63 @@ def _share_tiles(rows):
     return shared
 
 
-# (sink, tiles, recent tokens per row, G) -> the mask of a one-graph step; the
+# A decode step's recent tokens are padded to a multiple of this many (a row's tail
+# buffer grows by as many, KVarNCache.tail_step).
+ROOM = 32
+
+
+# Decode steps on the ops path run attention.attend through mx.compile, as
+# attention.py does for a single cache's (traced once per shape, replayed from
+# C++), with the mask of the rows' own columns as an input: the shapes change at
+# a tile and every ROOM steps, not at every step.
+def _attend_arrays(q, sk, sv, rk, rv, mask, rotate_k, arrays, n, bits, rotate_v, scale, _):
+    global _traces
+    _traces += 1  # runs only when mx.compile traces
+    tiles = TileStorage(*arrays, count=n) if n else None
+    view = StepView(sk, sv, tiles, n, rk, rv, *bits, rotate_k, rotate_v)
+    return attention.attend(q, view, scale, mask)
+
+
+_compiled = mx.compile(_attend_arrays)
+_traces = 0
+
+
+def _attend_compiled(queries, view, scale, mask):
+    global _compiled, _traces
+    if _traces > attention.MAX_TRACES:  # (as attention._attend_compiled)
+        _compiled, _traces = mx.compile(_attend_arrays), 0
+    streams = tuple(map(str, dispatch.cpu_streams(view.n_tiles // attention.MIN_STREAM_TILES)))
+    return _compiled(
+        queries,
+        view.sink_k,
+        view.sink_v,
+        view.recent_k,
+        view.recent_v,
+        mask,
+        view.rotate_k,
+        view.tiles.arrays() if view.n_tiles else (),
+        view.n_tiles,
+        (view.k_bits, view.v_bits),
+        view.rotate_v,
+        float(scale),
+        streams,
+    )
+
+
+# (sink, tiles, recent tokens per row, G, R) -> the mask of a one-graph step; the
 # layers of a step share one (a few differ while their tiles wait for a commit).
 _masks = {}
 
 
-def _own_columns(sinks_n, tiles_n, recent_n, G):
+def _own_columns(counts, G, R):
     """[B, 1, 1, columns] True at each row's own sink, tile and recent columns of a
-    one-graph step; None if every row has them all."""
-    if len(set(sinks_n)) == len(set(tiles_n)) == len(set(recent_n)) == 1:
-        return None
-    key = (sinks_n, tiles_n, recent_n, G)
+    decode step's view (its recent tokens padded to R)."""
+    key = (counts, G, R)
     if key not in _masks:
         if len(_masks) > 64:
             _masks.clear()
-        S, n, R = max(sinks_n), max(tiles_n), max(recent_n)
+        sinks_n, tiles_n, recent_n = counts
+        S, n = max(sinks_n), max(tiles_n)
         own = np.zeros((len(sinks_n), S + n * G + R), bool)
         for b, (s, t, r) in enumerate(zip(sinks_n, tiles_n, recent_n)):
             own[b, :s] = True
@@ -452,18 +499,20 @@ def _lengths(counts):
 _layouts = {}
 
 
-def _layout_index(left, sinks_n, tiles_n, recent_n, G):
+def _layout_index(left, counts, G, R):
     """[B, 1, columns, 1] int32: where each column of the batch layout (row b's
-    tokens from column left[b] on, zeros before) is in a decode step's view."""
-    key = (left, sinks_n, tiles_n, recent_n, G)
+    tokens from column left[b] on, zeros before) is in a decode step's view (its
+    recent tokens padded to R, then one zero column)."""
+    key = (left, counts, G, R)
     if key not in _layouts:
         if len(_layouts) > 64:
             _layouts.clear()
-        S, n, R = max(sinks_n), max(tiles_n), max(recent_n)
+        sinks_n, tiles_n, recent_n = counts
+        S, n = max(sinks_n), max(tiles_n)
         zero = S + n * G + R
         width = left[0] + sinks_n[0] + tiles_n[0] * G + recent_n[0]
         index = np.full((len(left), width), zero, np.int32)
-        for b, (lp, s, t, r) in enumerate(zip(*key[:4])):
+        for b, (lp, s, t, r) in enumerate(zip(left, *counts)):
             index[b, lp:width] = np.concatenate(
                 [np.arange(s), S + np.arange(t * G), S + n * G + np.arange(r)]
             )
