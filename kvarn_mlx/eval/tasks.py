@@ -280,7 +280,11 @@ def generate(model, tokenizer, name, prompts, caches, max_tokens, step):
     try:
         uids = gen.insert(prompts, [max_tokens] * len(prompts), caches=caches)
         out, final = {u: [] for u in uids}, {}
+        steps = 0
         while responses := gen.next_generated():
+            steps += 1
+            if steps % 64 == 0:  # BatchGenerator's decode loop never frees MLX's buffer cache
+                mx.clear_cache()
             closed = []
             for r in responses:
                 if (
