@@ -161,7 +161,9 @@ class BatchKVarNCache(BaseCache):
         returned (the batch layout, gathered from that view)."""
         self._idx += 1
         self._spans = [(0, 1)] * len(self.rows)
-        steps = [r.update(keys[b : b + 1], values[b : b + 1]) for b, r in enumerate(self.rows)]
+        B = len(self.rows)
+        ks, vs = (mx.split(x, B) if B > 1 else [x] for x in (keys, values))
+        steps = [r.update(k, v) for r, k, v in zip(self.rows, ks, vs)]
         counts = (
             tuple(v.sink_k.shape[2] for v in steps),
             tuple(v.n_tiles for v in steps),
