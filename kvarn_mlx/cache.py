@@ -4,9 +4,11 @@ Per layer (B batch rows, H kv heads, D head dim, G tile tokens; docs/algorithm.m
 "Tiles, sink and tail"):
     sink_k/v  [B, H, S, D]    first S tokens, model dtype
     tiles     TileStorage     quantized tiles in the rotated space (tiles.py)
-    tail_k/v  [B, H, <G, D]   newest tokens that do not fill a tile, model dtype (up to
-                              G + tail_step after short steps: its tile waits its turn)
-Tiles are quantized once, when the tail fills, and never again.
+    tail_k/v  [B, H, <T+G, D] newest tokens, model dtype: the config's tail_tokens T and
+                              the tile being filled (up to T + G + tail_step after short
+                              steps: its tile waits its turn)
+Tiles are quantized once, when they leave the tail, and never again. Tile boundaries
+are fixed (sink + k G), so T changes when a tile is quantized, never its tokens.
 """
 
 import logging
@@ -31,6 +33,7 @@ _SETTINGS = (
     "scale_dtype",
     "rotate_keys",
     "rotate_values",
+    "tail_tokens",
 )
 _warned = set()
 
@@ -129,7 +132,7 @@ class KVarNCache(BaseCache):
         returns for as long as the caller keeps it (update_and_fetch: as long as
         the arrays it returned)."""
         B, H, L, D = keys.shape
-        G, S = self.config.group_size, self.config.sink_size
+        G, S, T = self.config.group_size, self.config.sink_size, self.config.tail_tokens
         if self._unread and self.announce_bypass:
             _warn_once(BYPASSED)
         self._reads_packed = not self._unread
@@ -167,9 +170,9 @@ class KVarNCache(BaseCache):
             keys, values = keys[..., n:, :], values[..., n:, :]
             L -= n
 
-        # 2. The rest joins the tail; every whole tile is quantized, once (a short
-        # step's at the next update).
-        if self.n_tail + L < G or short:
+        # 2. The rest joins the tail; every whole tile that leaves the tail's newest T
+        # tokens is quantized, once (a short step's at a later update).
+        if self.n_tail + L < G + T or short:
             if self.n_tail + L > self.tail_k.shape[2]:
                 self._grow_tail(self.n_tail + L)
             # [:, :, a:b] rather than [..., a:b, :]: a decode step's cheapest indexing
@@ -181,7 +184,7 @@ class KVarNCache(BaseCache):
         else:
             rk = mx.concatenate([self.tail_k[..., : self.n_tail, :], keys], axis=2)
             rv = mx.concatenate([self.tail_v[..., : self.n_tail, :], values], axis=2)
-            m = rk.shape[2] // G
+            m = (rk.shape[2] - T) // G
             self._append(
                 rk[..., : m * G, :].reshape(B, H, m, G, D),
                 rv[..., : m * G, :].reshape(B, H, m, G, D),
@@ -189,10 +192,10 @@ class KVarNCache(BaseCache):
             self._new_tail(rk[..., m * G :, :], rv[..., m * G :, :])
             room = None
         step = self._view(n_seen, rk, rv, room)
-        if short and self.n_tail > G > self.n_tail - L:  # this step completed a tile
-            step.after_tile_row = L - (self.n_tail - G)
+        if short and self.n_tail > G + T > self.n_tail - L:  # a tile left the tail here
+            step.after_tile_row = L - (self.n_tail - G - T)
             step.after_tile = self._after_tile_view(n_seen, step.after_tile_row)
-        if short and self.n_tail >= G and not self.room_tile:
+        if short and self.n_tail >= G + T and not self.room_tile:
             waiting_tiles.register(self)  # quantized at the next update, with the other layers'
         self._step, self._fetched, self._unread = weakref.ref(step), None, True
         return step
@@ -219,12 +222,13 @@ class KVarNCache(BaseCache):
 
     def _grow_tail(self, n):
         """Room for n tail tokens, added tail_step tokens at a time (no per-token copies);
-        more than a tile only while a short step's tiles wait for the next update."""
+        more than tail_tokens + a tile only while a short step's tiles wait to be committed."""
         cap = self.tail_k.shape[2]
         if n > cap:
             new_cap = -(-n // self.tail_step) * self.tail_step
-            if n <= self.config.group_size:
-                new_cap = min(new_cap, self.config.group_size)
+            full = self.config.group_size + self.config.tail_tokens
+            if n <= full:
+                new_cap = min(new_cap, full)
             pad = [(0, 0), (0, 0), (0, new_cap - cap), (0, 0)]
             self.tail_k, self.tail_v = mx.pad(self.tail_k, pad), mx.pad(self.tail_v, pad)
 
@@ -243,19 +247,19 @@ class KVarNCache(BaseCache):
         """Quantize the whole tiles waiting in the tail (left by a short step); a
         tile quantized ahead into the room (room_tile) is only counted. A short
         step (L tokens) before the cache's turn (waiting_tiles.due) leaves them
-        waiting, as long as the tail holds at most a tile and tail_step tokens (one
-        buffer step more than a tile: the most a waiting layer holds unquantized,
-        byte_models.SinkTilesTail). As in one-token
+        waiting, as long as the tail holds at most tail_tokens, a tile and tail_step
+        tokens (one buffer step more than tail_tokens and a tile: the most a waiting
+        layer holds unquantized, byte_models.SinkTilesTail). As in one-token
         decoding, a short step's first query row chooses the "auto" key rotation
         of tiles made here."""
-        G = self.config.group_size
-        m = self.n_tail // G
+        G, T = self.config.group_size, self.config.tail_tokens
+        m = self.leaving_tiles()  # whole tiles older than the tail's newest T tokens
         if m == 0:
             return
         if (
             short
             and not self.room_tile
-            and self.n_tail + L <= G + self.tail_step
+            and self.n_tail + L <= G + T + self.tail_step
             and not waiting_tiles.due(self)
         ):
             self.commit_in -= 1
@@ -275,6 +279,10 @@ class KVarNCache(BaseCache):
             if self.key_candidates is not None and short:
                 self.decide_row = 0
         self._new_tail(k[..., m * G :, :], v[..., m * G :, :])
+
+    def leaving_tiles(self):
+        """Whole tiles in the tail beyond its newest tail_tokens: quantized at the next commit."""
+        return max(0, self.n_tail - self.config.tail_tokens) // self.config.group_size
 
     def _after_tile_view(self, n_seen, row):
         """The view of a short step's query rows from `row` on, which follow the
@@ -315,7 +323,7 @@ class KVarNCache(BaseCache):
             B,
             D,
             self.tail_k.dtype,
-            self.n_tail // c.group_size,
+            self.leaving_tiles(),
         )
 
     def quantize(self, k, v) -> Tiles:
@@ -465,10 +473,11 @@ class KVarNCache(BaseCache):
             self.decide_key_rotation()
         keep = self.offset - n
         self.batched, self.commit_in = None, None
-        S, G = self.config.sink_size, self.config.group_size
-        # A room tile needs its tokens, and one that chose the rotation the token whose
-        # query chose it (else the next tile's first query chooses).
-        if self.room_tile and keep < S + (self.n_tiles + 1) * G + (
+        S, G, T = self.config.sink_size, self.config.group_size, self.config.tail_tokens
+        # A room tile needs its tokens and the tail_tokens after them (it leaves the tail
+        # only then), and one that chose the rotation the token whose query chose it (else
+        # the next tile's first query chooses).
+        if self.room_tile and keep < S + (self.n_tiles + 1) * G + T + (
             self.room_tile == "chose_rotation"
         ):
             if self.room_tile == "chose_rotation":
@@ -559,12 +568,16 @@ class KVarNCache(BaseCache):
         self.__dict__.update(new.__dict__)
 
     def _set_state(self, s):
-        if not isinstance(s, dict) or any(k not in s for k in (*_SETTINGS, "offset", "n_tiles")):
+        if not isinstance(s, dict) or any(
+            k not in s for k in (*_SETTINGS, "offset", "n_tiles") if k != "tail_tokens"
+        ):
             raise ValueError(
                 "not a KVarNCache state (missing settings): the prompt-cache file is corrupt "
                 "or was written by another version; delete it and build the cache again"
             )
-        self.__init__(KVarNConfig(**{k: _scalar(s[k]) for k in _SETTINGS}))
+        # Files written before tail_tokens existed hold no tail beyond the tile being filled.
+        settings = {k: _scalar(s[k]) for k in _SETTINGS if k in s}
+        self.__init__(KVarNConfig(**settings))
         self.offset, n_tiles = int(s["offset"]), int(s["n_tiles"])
         self.n_sink, self.n_tail = int(s["n_sink"]), int(s["n_tail"])
         self.rotate_k = _flag(s.get("rotate_k"))

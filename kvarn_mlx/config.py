@@ -20,6 +20,9 @@ class KVarNConfig:
     sink: S, leading tokens kept in the model's dtype (None means G).
     iters: variance-normalization iterations.
     scale_dtype: storage dtype of the absorbed scales; "fp8" stores e4m3 bytes (codes <= 4 bits).
+    tail_tokens: the newest tokens kept in the model's dtype beyond the tile being filled;
+        a tile is quantized when it leaves this tail (a multiple of group_size; 0: as
+        soon as it fills).
     rotate_keys, rotate_values: apply the Hadamard rotation (docs/algorithm.md, "Rotation").
         rotate_keys="auto" decides per kv head, at the first quantized tiles,
         whichever of rotated / unrotated keys gives the smaller score error.
@@ -34,6 +37,7 @@ class KVarNConfig:
     scale_dtype: str = "float16"
     rotate_keys: bool | str = True
     rotate_values: bool = True
+    tail_tokens: int = 0
 
     def __post_init__(self):
         for name in ("k_bits", "v_bits"):
@@ -47,6 +51,13 @@ class KVarNConfig:
             )
         if self.sink is not None and self.sink < 0:
             raise ValueError(f"sink={self.sink} must be >= 0")
+        t = self.tail_tokens
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t % self.group_size:
+            raise ValueError(
+                f"tail_tokens={t!r} must be 0 or a positive multiple of the tile size "
+                f"group_size={self.group_size} (e.g. {4 * self.group_size}): whole tiles leave "
+                "the tail"
+            )
         if self.iters < 0:
             raise ValueError(f"iters={self.iters} must be >= 0")
         if self.rotate_keys not in (True, False, "auto"):

@@ -22,9 +22,11 @@ Methods, at B = 2, 4 or 8 bits (every tile method uses the same sink and tail):
 
 Variants, appended to a tile method's name (no commas: they separate methods):
   +fp8          scales stored as e4m3 bytes (scale_dtype="fp8"; codes <= 4 bits)
+  +tail1024     the newest 1,024 tokens kept in full precision (tail_tokens; a
+                multiple of the tile size, +tail0 for none)
   +fp16:0:-1    those model layers left as mlx-lm's plain cache (as make_cache's
                 fp16_layers; negative indices count from the end)
-e.g. k4v2_g128+fp8, k8v8_g128+fp16:0:-1.
+e.g. k4v2_g128+fp8, k8v8_g128+fp16:0:-1, auto4v2+tail1024.
 """
 
 import re
@@ -57,17 +59,20 @@ FAMILIES = (
 
 
 def _variant(name):
-    """(base method, config overrides, plain layers) of name[+fp8][+fp16:i:j...]."""
+    """(base method, config overrides, plain layers) of name[+fp8][+tailN][+fp16:i:j...]."""
     base, *opts = name.split("+")
     overrides, layers = {}, ()
     for o in opts:
         if o == "fp8":
             overrides["scale_dtype"] = "fp8"
+        elif re.fullmatch(r"tail\d+", o):
+            overrides["tail_tokens"] = int(o[4:])
         elif re.fullmatch(r"fp16(:-?\d+)+", o):
             layers = tuple(int(i) for i in o.split(":")[1:])
         else:
             raise ValueError(
-                f"unknown method {name!r}: variants are +fp8 and +fp16:i:j (layers kept plain)"
+                f"unknown method {name!r}: variants are +fp8, +tailN (N newest tokens in full "
+                "precision) and +fp16:i:j (layers kept plain)"
             )
     return base, overrides, layers
 
