@@ -72,6 +72,7 @@ class Patches:
                 api_key=None,
                 kv_preset=self.preset,
                 kv_sink=None,
+                kv_tail_tokens=None,
                 max_kv_bytes=None,
                 model="chat_model",
             )

@@ -58,9 +58,9 @@ def step_allocation(m, L):
         # Capacity is a whole number of step_tiles tiles (tiles.append).
         tiles = -(-(L // m.group + 2) // m.step_tiles) * m.step_tiles
         # Sink and tail hold tokens in the model's dtype; a step puts at most
-        # S + G of its tokens there (the rest goes into tiles), and a new tail
-        # buffer rounds its tokens up to one tail step.
-        dense = math.ceil(m.tail_step_bytes * min(L, m.sink + m.group) / m.tail_step)
+        # S + T + G of its tokens there (T: tail_tokens; the rest goes into tiles),
+        # and a new tail buffer rounds its tokens up to one tail step.
+        dense = math.ceil(m.tail_step_bytes * min(L, m.sink + m.tail + m.group) / m.tail_step)
         return m.tile_bytes * tiles + dense + m.tail_step_bytes
     return 0
 

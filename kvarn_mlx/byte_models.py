@@ -13,8 +13,9 @@ layer's growth rule carries the bytes to any context:
                              one prefill chunk (Window)
   KVarNCache                 the sink, the tile storage (a whole number of step_tiles
                              tiles) and a tail buffer rounded up to tail_step tokens:
-                             under a tile, or a tile and up to tail_step tokens while
-                             a finished tile waits for its commit turn (SinkTilesTail)
+                             tail_tokens and under a tile, or tail_tokens, a tile and up
+                             to tail_step tokens while a finished tile waits for its
+                             commit turn (SinkTilesTail)
   other (recurrent) caches   the fixed state the model made for one token (Fixed)
 Room depends on the order the tokens came in (prompt chunks, decode steps); peak(n)
 is the most any order leaves.
@@ -176,8 +177,10 @@ class Window:
 class SinkTilesTail:
     """KVarNCache: sink tokens, a tile storage whose capacity is the most tiles held
     rounded up to step_tiles, and a tail buffer grown tail_step tokens at a time.
-    The tail holds under a tile, or, while a tile a short step finished waits for
-    its commit turn (waiting_tiles.py), that tile and up to tail_step tokens more."""
+    The tail holds `tail` (the config's tail_tokens) and under a tile more, or, while
+    a tile a short step finished waits for its commit turn (waiting_tiles.py),
+    `tail`, that tile and up to tail_step tokens more: a tile is quantized when it
+    leaves the tail."""
 
     sink_token_bytes: int
     tile_bytes: int
@@ -186,18 +189,20 @@ class SinkTilesTail:
     group: int
     step_tiles: int
     tail_step: int
+    tail: int = 0
 
     per_token = property(lambda self: self.tile_bytes / self.group)
 
     def peak(self, n):
         """The most held at any step up to n tokens, whatever their order: every tile
-        that can be finished by then in the storage's capacity, and the tail at its
-        largest, a waiting tile and tail_step tokens (once n gets there). Each part
-        grows with n, so this is the state at n where the order gives the most."""
+        that can have left the tail by then in the storage's capacity, and the tail at
+        its largest, tail_tokens, a waiting tile and tail_step tokens (once n gets
+        there). Each part grows with n, so this is the state at n where the order
+        gives the most."""
         sink = min(n, self.sink)
         rest = n - sink
-        tiles = _round_up(rest // self.group, self.step_tiles)
-        tail = _round_up(min(rest, self.group + self.tail_step), self.tail_step)
+        tiles = _round_up(max(0, rest - self.tail) // self.group, self.step_tiles)
+        tail = _round_up(min(rest, self.tail + self.group + self.tail_step), self.tail_step)
         return (
             sink * self.sink_token_bytes
             + tiles * self.tile_bytes
@@ -245,7 +250,7 @@ def window_of(layer, prefill):
 
 def sink_tiles_tail_of(config, layer):
     """Sink, tile and tail bytes of a KVarNCache, read from real caches at a few sizes."""
-    S, G, step = config.sink_size, config.group_size, KVarNCache.step_tiles
+    S, G, T, step = config.sink_size, config.group_size, config.tail_tokens, KVarNCache.step_tiles
 
     def held(*chunks):
         c = KVarNCache(config)
@@ -254,9 +259,9 @@ def sink_tiles_tail_of(config, layer):
         return b
 
     sink = held(S) if S else 0
-    one_step = held(S + step * G)  # sink + step_tiles tiles, no room, empty tail
-    two_steps = held(S + step * G, step * G)
-    tail = held(S + step * G + 1) - one_step  # one tail step
+    one_step = held(S + step * G + T)  # sink + step_tiles tiles, no room, T tail tokens
+    two_steps = held(S + step * G + T, step * G)
+    tail = held(S + step * G + T + 1) - one_step  # one tail step
     return SinkTilesTail(
         sink // S if S else 0,
         (two_steps - one_step) // step,
@@ -265,6 +270,7 @@ def sink_tiles_tail_of(config, layer):
         G,
         step,
         KVarNCache.tail_step,
+        T,
     )
 
 

@@ -141,6 +141,18 @@ def get_preset(preset: "str | KVarNConfig", **overrides) -> KVarNConfig:
     return replace(named, **overrides)
 
 
+def tail_error(preset, tail_tokens):
+    """None if the preset (the default one for fp16) takes this tail_tokens (None: the
+    preset's own); else KVarNConfig's message. The one check of --kv-tail-tokens."""
+    if tail_tokens is None:
+        return None
+    try:
+        get_preset(DEFAULT_PRESET if preset == FP16 else preset, tail_tokens=tail_tokens)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def preset_error(name):
     """None if `name` names a KV cache the commands take: fp16 (mlx-lm's plain
     cache) or a preset get_preset knows; else the message saying what is valid.

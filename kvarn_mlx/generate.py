@@ -25,7 +25,7 @@ from . import budget, memory, prompt_cache
 from . import profile as profiles
 from .cache import KVarNCache
 from .cli_support import INTERRUPTED, CtrlC, load_error, model_context
-from .config import DEFAULT_PRESET, FP16, PRESETS, preset_error
+from .config import DEFAULT_PRESET, FP16, PRESETS, preset_error, tail_error
 from .integration import make_cache, profile_mix
 from .prompt_cache import PromptCacheError
 
@@ -76,6 +76,14 @@ def setup_arg_parser():
         type=int,
         default=None,
         help="Leading tokens kept in full precision (default: one tile)",
+    )
+    p.add_argument(
+        "--kv-tail-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Newest tokens kept in full precision besides the tile being filled, a multiple of "
+        "the tile size (default: the preset's); a --prompt-cache-file keeps its own",
     )
     p.add_argument(
         "--kv-fp16-layers",
@@ -168,6 +176,11 @@ def check_args(args):
         raise UsageError(
             f"--kv-sink {args.kv_sink}: the number of leading tokens kept in full precision is 0 "
             "or more"
+        )
+    if tail_error(args.kv_preset, args.kv_tail_tokens):
+        raise UsageError(
+            f"--kv-tail-tokens {args.kv_tail_tokens}: "
+            f"{tail_error(args.kv_preset, args.kv_tail_tokens)}"
         )
     if args.seed is not None and not 0 <= args.seed < 2**64:
         raise UsageError(f"--seed {args.seed}: use an integer from 0 to 2**64 - 1")
@@ -574,7 +587,12 @@ def generate(args):
             try:
                 mix = profile_mix(model, profile, bytes_like, max_kl)[0]
                 cache = make_cache(
-                    model, profile=profile, bytes_like=bytes_like, max_kl=max_kl, sink=args.kv_sink
+                    model,
+                    profile=profile,
+                    bytes_like=bytes_like,
+                    max_kl=max_kl,
+                    sink=args.kv_sink,
+                    tail_tokens=args.kv_tail_tokens,
                 )
             except ValueError as e:
                 raise UsageError(f"--kv-profile: {e}") from None
@@ -584,7 +602,11 @@ def generate(args):
         else:
             try:
                 cache = make_cache(
-                    model, args.kv_preset, sink=args.kv_sink, fp16_layers=fp16_layers(args)
+                    model,
+                    args.kv_preset,
+                    sink=args.kv_sink,
+                    tail_tokens=args.kv_tail_tokens,
+                    fp16_layers=fp16_layers(args),
                 )
             except ValueError as e:
                 if not args.kv_fp16_layers:

@@ -72,6 +72,7 @@ def serve(save_dir, allowed_hosts=(), allowed_origins=(), api_key=None):
         api_key=api_key,
         kv_preset="k4v2_g128",
         kv_sink=None,
+        kv_tail_tokens=None,
         save_dir=Path(save_dir),
     )
     stats = KVStats()

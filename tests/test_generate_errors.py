@@ -46,6 +46,8 @@ def one_line_error(argv):
     "argv, names",
     [
         (["--kv-sink", "-5"], "--kv-sink -5"),
+        (["--kv-tail-tokens", "100"], "--kv-tail-tokens 100: tail_tokens=100 must be 0 or a"),
+        (["--kv-tail-tokens", "-128"], "multiple of the tile size group_size=128"),
         (["--max-tokens", "0"], "--max-tokens 0"),
         (["--prefill-step-size", "0"], "--prefill-step-size 0"),
         (["--seed", "-1"], "--seed -1"),

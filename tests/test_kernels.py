@@ -255,9 +255,10 @@ def test_quantize_iters_zero_and_8bit():
 # Attention -------------------------------------------------------------------------------
 
 
-def _cache(rng, B, Hkv, D, G, S, ctx, kb, vb, dtype, spare=1):
-    """A layer's cache holding ctx tokens: S sink, n tiles (capacity n + spare), tail."""
-    n = (ctx - S) // G
+def _cache(rng, B, Hkv, D, G, S, ctx, kb, vb, dtype, spare=1, tail=0):
+    """A layer's cache holding ctx tokens: S sink, n tiles (capacity n + spare), tail
+    (tail_tokens `tail` and the tile being filled)."""
+    n = max(0, ctx - S - tail) // G
     T = ctx - S - n * G
     ncap = n + spare
     k = mx.array(rng.standard_normal((B, Hkv, ncap, G, D)).astype(np.float32))
@@ -385,6 +386,52 @@ def test_attention_matches_reference(D, G, kb, vb, n_rep, L, S, ctx, B, dtype):
             f"{err:.2e} (tol {tol:.2e})"
         )
         assert err <= tol, f"{name}: {err:.3e} > {tol:.3e}"
+
+
+def test_attention_over_a_long_tail():
+    """A tail of several tiles' tokens (KVarNConfig.tail_tokens): the kernel reads it in
+    blocks of G tokens, as the sink."""
+    D, G, kb, vb, L, B = 64, 64, 4, 2, 3, 1
+    rng = np.random.default_rng(7)
+    c = _cache(rng, B, 2, D, G, 64, 64 + 3 * G + 4 * G + 20, kb, vb, mx.float32, tail=4 * G)
+    assert c["n"] == 3 and c["tail_k"].shape[2] == 4 * G + 20
+    q = mx.array(rng.standard_normal((B, 8, L, D)).astype(np.float32))
+    want = _attention_reference(q, c, D**-0.5, kb, vb)
+    args = _att_args(q, c, D**-0.5, kb, vb)
+    with metal():
+        got = kernels.packed_attention_metal(*args)
+        mx.eval(got)
+    for o in (got, ops_attention(*args)):
+        assert np.abs(np.array(o) - want).max() <= ATT_TOL * np.abs(want).max()
+
+
+def test_greedy_generation_with_a_tail_same_tokens_with_kernels(monkeypatch):
+    """Decoding with tail_tokens: the kernels (attention over a tail of more than a
+    tile, tiles quantized as they leave it) give the ops path's greedy tokens."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import models
+    from kvarn_mlx import make_cache
+    from kvarn_mlx.config import KVarNConfig
+
+    cfg = KVarNConfig(k_bits=4, v_bits=2, group_size=64, sink=32, tail_tokens=128)
+    prompt = models.tokens(32 + 64 + 128 + 40, seed=4)  # decoding moves the 2nd tile out
+    model = models.tiny_model("llama64")
+    dispatch.set_backend("ops")
+    want, _ = _greedy(model, make_cache(model, cfg), prompt, 32)
+    calls = {"attention": 0}
+    fn = kernels.packed_attention_metal
+
+    def counted(*a, **k):
+        calls["attention"] += 1
+        return fn(*a, **k)
+
+    monkeypatch.setattr(kernels, "packed_attention_metal", counted)
+    dispatch.set_backend("auto")
+    with metal():
+        caches = make_cache(model, cfg)
+        got, _ = _greedy(model, caches, prompt, 32)
+    assert calls["attention"] >= 32 and caches[0].n_tiles == 2 and caches[0].n_tail >= 128
+    assert got == want
 
 
 def test_attention_not_causal_and_unrotated_values():

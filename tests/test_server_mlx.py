@@ -58,6 +58,8 @@ def server(model_dir, *flags):
         "k4v2_g64",
         "--kv-sink",
         "16",
+        "--kv-tail-tokens",
+        "64",
         "--max-tokens",
         "16",
         *flags,
@@ -149,7 +151,7 @@ def test_concurrent_streams_equal_the_same_requests_one_at_a_time(model_dir):
     assert batched["sequences"] > 1, "the requests were never batched"
     assert batched["held"] > 0 and batched["plain"] > 0
     assert stats["live"]["sequences"] == 0 and stats["prompt_cache"]["sequences"] == 0
-    assert (stats["kv_preset"], stats["kv_sink"]) == ("k4v2_g64", 16)
+    assert (stats["kv_preset"], stats["kv_sink"], stats["kv_tail_tokens"]) == ("k4v2_g64", 16, 64)
 
 
 def test_a_continued_conversation_prefills_only_its_new_tokens(model_dir):

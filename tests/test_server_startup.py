@@ -55,3 +55,19 @@ def test_a_model_that_cannot_load_stops_the_server(tmp_path):
     )
     assert proc.returncode == 1
     assert "generation thread stopped" in proc.stderr and str(missing) in proc.stderr
+
+
+@pytest.mark.parametrize("flags", [["--kv-tail-tokens", "100"], ["--kv-tail-tokens", "-64"]])
+def test_bad_tail_stops_before_loading(flags, capsys):
+    # KVarNConfig's own check, named by the flag, before any model is loaded.
+    with pytest.raises(SystemExit):
+        cli.main(["--kv-preset", "k4v2_g64", *flags])
+    err = capsys.readouterr().err
+    assert "--kv-tail-tokens: tail_tokens=" in err and "multiple of the tile size" in err
+
+
+def test_chat_cli_bad_tail_stops_before_loading():
+    from apps.chat.__main__ import main
+
+    with pytest.raises(SystemExit, match="--kv-tail-tokens: tail_tokens=130 must be 0 or a"):
+        main(["--cli", "--kv-tail-tokens", "130"])

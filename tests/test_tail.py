@@ -12,6 +12,7 @@ import pytest
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache, trim_prompt_cache
 
+from kvarn_mlx import byte_models
 from kvarn_mlx.cache import KVarNCache
 from kvarn_mlx.config import KVarNConfig, get_preset
 from kvarn_mlx.integration import make_cache
@@ -195,3 +196,24 @@ def test_batch_generate_with_a_tail_equals_each_prompt_alone():
     prompts = [[t % 255 for t in tokens(n, seed=i)] for i, n in enumerate([20, 170, 300])]
     make = lambda: make_cache(model, "k4v2_g128", sink=16, tail_tokens=128)
     assert check_against_alone(model, tok, prompts, make, 40) <= 1
+
+
+@pytest.mark.parametrize("tail", [0, 128, 256])
+def test_byte_model_is_the_most_any_order_of_steps_holds(tail):
+    # The planner's per-layer rule (byte_models.SinkTilesTail): over prompts of several
+    # lengths then decoding, no cache holds more than peak(n) at any count up to n (with
+    # the tail's tokens counted as tiles, a tail of 128 float32 tokens would exceed it).
+    cfg = get_preset("k4v2_g64", tail_tokens=tail)
+    layer = byte_models.Layer("kv", heads=2, k_dim=64, v_dim=64, dtype="float32")
+    m = byte_models.sink_tiles_tail_of(cfg, layer)
+    S, G = cfg.sink_size, cfg.group_size
+    n = S + tail + 6 * G + 40
+    for prompt in ([n], [S + tail + 4 * G], [S + tail + 5 * G - 1], [S + 2 * G, 2 * G + tail], [1]):
+        c, seen = KVarNCache(cfg), 0
+        k, v = rand_kv(n, seed=len(prompt))
+        for L in [*prompt, *[1] * (n - sum(prompt))]:
+            mx.eval(c.update_and_fetch(k[:, :, seen : seen + L], v[:, :, seen : seen + L]))
+            seen += L
+            assert c.nbytes <= m.peak(seen), (prompt, seen)
+        if prompt == [n]:
+            assert c.n_tail == tail + 40

@@ -9,7 +9,7 @@ from pathlib import Path
 from kvarn_mlx import guard, server
 from kvarn_mlx import profile as profiles
 from kvarn_mlx.cli_support import flag
-from kvarn_mlx.config import DEFAULT_PRESET
+from kvarn_mlx.config import DEFAULT_PRESET, tail_error
 from kvarn_mlx.loader import home
 
 PORT = 8321
@@ -31,6 +31,14 @@ def cli_args(argv):
         "--kv-preset",
         default=DEFAULT_PRESET,
         help=f"KV cache preset (default {DEFAULT_PRESET}; fp16 = mlx-lm's plain cache)",
+    )
+    p.add_argument(
+        "--kv-tail-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="newest tokens kept unquantized besides the tile being filled, a multiple of the "
+        "tile size (default: the preset's)",
     )
     p.add_argument(
         "--kv-profile",
@@ -104,6 +112,8 @@ def main(argv=None):
             )
         except ValueError as e:
             sys.exit(f"error: {e}")
+        if tail_error(args.kv_preset, args.kv_tail_tokens):
+            sys.exit(f"error: --kv-tail-tokens: {tail_error(args.kv_preset, args.kv_tail_tokens)}")
         return run_cli(
             dict(
                 models=[args.model],
@@ -111,6 +121,7 @@ def main(argv=None):
                 max_tokens=args.max_tokens,
                 temp=args.temp,
                 profile=profile,
+                tail_tokens=args.kv_tail_tokens,
             ),
             resume=args.resume,
         )

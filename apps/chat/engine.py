@@ -46,13 +46,15 @@ class Engine:
         temp=0.0,
         loaded=None,
         profile=(None, None, None),
+        tail_tokens=None,
     ):
         """models: --model values (None = embedded); the first is loaded.
         loaded: an already loaded (model, tokenizer) for models[0] (tests).
         profile: (--kv-profile, --kv-bytes-like, --kv-max-kl), per-layer widths instead of the
-        preset's."""
+        preset's. tail_tokens: --kv-tail-tokens (None: the preset's)."""
         self.specs = {model_id(s): s for s in models}
         self.profile = profile
+        self.tail_tokens = tail_tokens
         self.default_max_tokens, self.default_temp = max_tokens, temp
         self.model = self.tokenizer = self.name = self._identity = None
         self.preset = check_preset(preset)
@@ -83,9 +85,15 @@ class Engine:
     def new_chat(self):
         if self.profile[0] is not None:
             path, bytes_like, max_kl = self.profile
-            self.cache = make_cache(self.model, profile=path, bytes_like=bytes_like, max_kl=max_kl)
+            self.cache = make_cache(
+                self.model,
+                profile=path,
+                bytes_like=bytes_like,
+                max_kl=max_kl,
+                tail_tokens=self.tail_tokens,
+            )
         else:
-            self.cache = make_cache(self.model, self.preset)
+            self.cache = make_cache(self.model, self.preset, tail_tokens=self.tail_tokens)
         self.tokens = []  # token ids held by the cache, in order
         self.messages = []  # the conversation the cache holds (for saving)
         self.last = {"tps": 0.0, "prompt_tps": 0.0, "prefilled": 0, "reused": 0}

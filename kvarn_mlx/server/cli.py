@@ -10,7 +10,7 @@ import mlx_lm.server as mlx_server
 
 from .. import budget
 from ..cli_support import flag
-from ..config import DEFAULT_PRESET, FP16, PRESETS, preset_error
+from ..config import DEFAULT_PRESET, FP16, PRESETS, preset_error, tail_error
 from ..profile import from_settings
 from .handler import APIHandler
 from .hooks import install
@@ -36,6 +36,14 @@ def arg_parser():
         type=int,
         default=None,
         help="leading tokens kept unquantized (default: the preset's, one tile)",
+    )
+    g.add_argument(
+        "--kv-tail-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="newest tokens kept unquantized besides the tile being filled, a multiple of the "
+        "tile size (default: the preset's)",
     )
     g.add_argument(
         "--kv-profile",
@@ -120,6 +128,8 @@ def main(argv=None, handler=APIHandler, parser=None):
         parser.error(f"--kv-preset: {preset_error(ours.kv_preset)}")
     elif ours.kv_sink is not None and ours.kv_sink < 0:
         parser.error(f"--kv-sink {ours.kv_sink}: must be >= 0")
+    elif tail_error(ours.kv_preset, ours.kv_tail_tokens):
+        parser.error(f"--kv-tail-tokens: {tail_error(ours.kv_preset, ours.kv_tail_tokens)}")
     elif profile_error(ours):
         parser.error(profile_error(ours))
     elif ours.kv_preset != FP16 and any(

@@ -35,7 +35,7 @@ class APIHandler(mlx_server.APIHandler):
     """mlx-lm's request handler behind kvarn_mlx.guard's checks, plus the model
     list and the stats endpoint. stats: the server's stats.KVStats; settings:
     its flags (cli.arg_parser's: allowed_hosts, allowed_origins, api_key,
-    kv_preset, kv_sink, model as given, started)."""
+    kv_preset, kv_sink, kv_tail_tokens, model as given, started)."""
 
     reply_model = None  # the model a reply names: as the request did
 
@@ -147,6 +147,7 @@ class APIHandler(mlx_server.APIHandler):
         stats.update(
             kv_preset=self.settings.kv_preset,
             kv_sink=self.settings.kv_sink,
+            kv_tail_tokens=self.settings.kv_tail_tokens,
             model=self.response_generator.cli_args.model,
             **self.kv_widths(),
         )

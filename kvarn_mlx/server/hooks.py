@@ -53,15 +53,17 @@ MLX_LM_PRIVATE = {
 # -- caches ---------------------------------------------------------------------------
 
 
-def cache_factory(preset, sink=None, provider=None, profile=(None, None, None)):
+def cache_factory(preset, sink=None, provider=None, profile=(None, None, None), tail_tokens=None):
     """mlx-lm's make_prompt_cache(model, max_kv_size=None), building KVarN
     caches (preset "fp16": mlx-lm's own caches; profile: (--kv-profile,
-    --kv-bytes-like, --kv-max-kl), per-layer widths instead of the preset's).
+    --kv-bytes-like, --kv-max-kl), per-layer widths instead of the preset's;
+    sink, tail_tokens: --kv-sink, --kv-tail-tokens, None for the preset's).
     The draft model of speculative decoding keeps mlx-lm's plain cache: it only
     proposes tokens."""
     if preset == FP16 and profile[0] is None:
         return mlx_cache.make_prompt_cache
-    config = get_preset(preset, sink=sink) if profile[0] is None else None
+    overrides = dict(sink=sink, tail_tokens=tail_tokens)
+    config = get_preset(preset, **overrides) if profile[0] is None else None
 
     def make_prompt_cache(model, max_kv_size=None):
         if max_kv_size is not None:
@@ -70,16 +72,18 @@ def cache_factory(preset, sink=None, provider=None, profile=(None, None, None)):
             return mlx_cache.make_prompt_cache(model)
         if config is None:
             path, bytes_like, max_kl = profile
-            return make_cache(model, profile=path, bytes_like=bytes_like, max_kl=max_kl, sink=sink)
+            return make_cache(
+                model, profile=path, bytes_like=bytes_like, max_kl=max_kl, **overrides
+            )
         return make_cache(model, config)
 
     return make_prompt_cache
 
 
-def install_caches(preset, sink, provider=None, profile=(None, None, None)):
+def install_caches(preset, sink, provider=None, profile=(None, None, None), tail_tokens=None):
     """Rebind make_prompt_cache where mlx_lm.server and mlx_lm.generate (for its
     BatchGenerator) look it up."""
-    make_prompt_cache = cache_factory(preset, sink, provider, profile)
+    make_prompt_cache = cache_factory(preset, sink, provider, profile, tail_tokens)
     mlx_server.make_prompt_cache = make_prompt_cache
     sys.modules["mlx_lm.generate"].make_prompt_cache = make_prompt_cache
 
@@ -214,7 +218,10 @@ def install(settings, handler_class):
     caches, with run() below serving handler_class (handler.APIHandler or a
     subclass) with these settings."""
     install_caches(
-        settings.kv_preset, settings.kv_sink, profile=from_settings(settings, DEFAULT_PRESET)
+        settings.kv_preset,
+        settings.kv_sink,
+        profile=from_settings(settings, DEFAULT_PRESET),
+        tail_tokens=settings.kv_tail_tokens,
     )
     mlx_server.run = lambda host, port, provider: run(host, port, provider, settings, handler_class)
 
@@ -229,6 +236,7 @@ def run(host, port, model_provider, settings, handler_class):
         settings.kv_sink,
         model_provider,
         from_settings(settings, DEFAULT_PRESET),
+        settings.kv_tail_tokens,
     )
     mlx_server.BatchGenerator = functools.partial(BatchGenerator, stats=stats)
     mlx_server.stream_generate = functools.partial(stream_generate, stats=stats)
