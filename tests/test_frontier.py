@@ -138,3 +138,35 @@ def test_frontier_end_to_end(tmp_path):
     )
     assert md.count("\n| ") == 1 + len(pts)
     assert (out / "frontier_t.png").stat().st_size > 0
+
+
+@pytest.mark.e2e
+def test_tail_frontier_end_to_end(tmp_path):
+    # benchmarks/tail_frontier.py from a fidelity run of PRESET+tailN methods: the tail's
+    # full-precision tokens add bytes, measured from held arrays, and a tail as long as
+    # the run leaves nothing quantized (KL 0 against the plain cache).
+    folder = tiny_model_folder(tmp_path / "model")
+    out = tmp_path / "results"
+    eval_main(
+        [
+            *("--model", str(folder), "--out", str(out), "--tag", "t", "fidelity"),
+            *("--contexts", "384,512", "--chunk", "128"),
+            *("--methods", "k2v2_g128+tail0,k2v2_g128+tail128,k2v2_g128+tail512"),
+        ]
+    )
+    spec = importlib.util.spec_from_file_location(
+        "bench_tail", ROOT / "benchmarks" / "tail_frontier.py"
+    )
+    tail = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tail)
+    res = tail.main(
+        [str(out / "fidelity_t.json"), "--name", "t", "--model", str(folder), "--out", str(out)]
+        + ["--long", "1024"]
+    )
+    by = {(p["tail"], p["context"]): p for p in res["points"]}
+    assert by[512, 512]["kl_mean"] == 0 and by[0, 512]["kl_mean"] > 0
+    for L in (384, 512):
+        assert by[0, L]["bytes_per_token"] < by[128, L]["bytes_per_token"]
+        assert by[128, L]["bytes_per_token"] < by[512, L]["bytes_per_token"]
+    assert by[0, 512]["long"][1024] < by[128, 512]["long"][1024]
+    assert (out / "tail_t.md").exists() and (out / "tail_frontier_t.png").exists()
