@@ -499,6 +499,14 @@ def print_stats(name, last, cache, out=None):
         file=out,
     )
     print(f"Tiles quantized: {s['tiles']} per layer in {len(kvarn)}/{len(cache)} layers", file=out)
+    tail = max(c.config.tail_tokens for c in kvarn)
+    if tail:
+        dense = sum(c.nbytes_breakdown()["sink_tail"] for c in kvarn)
+        print(
+            f"  held in {dtype_name}: the sink and the tail (the newest {tail} tokens and the "
+            f"tile being filled), {mib(dense)}",
+            file=out,
+        )
     # A layer decides its key rotation at its first tile; before that there is nothing to report.
     decided = [
         c.key_rotation_summary() for c in kvarn if c.config.rotate_keys == "auto" and c.n_tiles

@@ -6,13 +6,15 @@ decoding), the Metal kernel (tests/test_kernels.py) and the bytes counted.
 Models are the tiny random-weight ones of tests/models.py (float32).
 """
 
+import io
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache, trim_prompt_cache
 
-from kvarn_mlx import byte_models
+from kvarn_mlx import byte_models, generate
 from kvarn_mlx.cache import KVarNCache
 from kvarn_mlx.config import KVarNConfig, get_preset
 from kvarn_mlx.integration import make_cache
@@ -95,6 +97,19 @@ def test_bytes_count_the_tail_from_held_arrays():
     assert b0["codes"] < b["codes"]
     held = cache_bytes([c])
     assert held["held"] == c.nbytes and held["tokens"] == c.offset
+
+
+def test_generate_stats_name_the_tail_bytes():
+    model = tiny_model("llama64")
+    cache = make_cache(model, "k4v2_g64", tail_tokens=128)
+    model(mx.array(tokens(400, seed=8))[None], cache=cache)
+    out = io.StringIO()
+    generate.print_stats("k4v2_g64", None, cache, out=out)
+    dense = sum(c.nbytes_breakdown()["sink_tail"] for c in cache)
+    assert f"the newest 128 tokens and the tile being filled), {generate.mib(dense)}" in (
+        out.getvalue()
+    )
+    assert dense == sum((c.n_sink + c.n_tail) * c.sink_k.shape[1] * 64 * 2 * 4 for c in cache)
 
 
 def test_generation_reads_the_tail_in_full_precision():
