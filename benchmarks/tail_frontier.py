@@ -4,11 +4,12 @@ token, for presets with their newest N tokens kept in full precision
 
 KL, top-1: from fidelity runs (python -m kvarn_mlx.eval fidelity), at each of
 their contexts. Bytes/token: each method's caches filled with that many tokens
-of float16 K/V of the model's shapes, in the run's chunks, measured from the
+of float16 K/V of the model's shapes, measured from the
 arrays they hold (kvarn_mlx.memory), for the layers whose cache grows with the
 context (sliding-window layers hold a fixed window whatever the method); also at
 --long contexts, where a fixed tail weighs less. The caches are filled with
-zeros and never evaluated: array shapes alone fix the bytes.
+zeros in 4,096-token chunks and never evaluated: array shapes alone fix the
+bytes, and preallocated room is left out, so the chunks do not change them.
 
     python benchmarks/tail_frontier.py benchmarks/results/fidelity_tail_smollm2.json \\
         --name smollm2
@@ -38,7 +39,7 @@ def split(method):
     return m.group(1), int(m.group(2) or 0)
 
 
-def float16_bytes_per_token(model, method, tokens, chunk):
+def float16_bytes_per_token(model, method, tokens, chunk=4096):
     """Growing layers' bytes per token of `method`'s caches holding `tokens` float16 tokens."""
     caches = make_caches(model, method)
     probe = make_caches(model, "fp")
@@ -52,12 +53,16 @@ def float16_bytes_per_token(model, method, tokens, chunk):
     return cache_bytes(caches)["growing_bytes"] / tokens
 
 
-def collect(runs, model, long_contexts):
-    rows = [r for run in runs for r in run["result"]["rows"]]
-    chunk = runs[0]["result"]["chunk"]
+def collect(runs, model, long_contexts, methods=None):
+    rows = [
+        r
+        for run in runs
+        for r in run["result"]["rows"]
+        if methods is None or r["method"] in methods or r["method"] == "fp"
+    ]
     points = []
     for L in sorted({r["context"] for r in rows}):
-        plain = float16_bytes_per_token(model, "fp", L, chunk)
+        plain = float16_bytes_per_token(model, "fp", L)
         for r in rows:
             if r["context"] != L or split(r["method"]) is None:
                 continue
@@ -68,12 +73,10 @@ def collect(runs, model, long_contexts):
                 "tail": tail,
                 "context": L,
                 **{k: r[k] for k in ("kl_mean", "kl_p99", "top1_agree", "ppl_delta")},
-                "bytes_per_token": float16_bytes_per_token(model, r["method"], L, chunk),
+                "bytes_per_token": float16_bytes_per_token(model, r["method"], L),
                 "plain_bytes_per_token": plain,
                 "run_bytes_per_token": r["growing_bytes"] / L,
-                "long": {
-                    n: float16_bytes_per_token(model, r["method"], n, chunk) for n in long_contexts
-                },
+                "long": {n: float16_bytes_per_token(model, r["method"], n) for n in long_contexts},
             }
             points.append(p)
             print(
@@ -173,6 +176,12 @@ def main(argv=None):
     p.add_argument(
         "--long", default="16384,32768", help="contexts to measure bytes/token at as well"
     )
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="the runs' methods to show, comma-separated (default: all; e.g. another run's "
+        "wider presets for comparison)",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     runs = [json.loads(f.read_text()) for f in args.fidelity_json]
@@ -187,7 +196,7 @@ def main(argv=None):
             {"command": r["meta"]["command"], "date": r["meta"]["date"]} for r in runs
         ],
         "long_contexts": longs,
-        "points": collect(runs, model, longs),
+        "points": collect(runs, model, longs, args.methods and set(args.methods.split(","))),
     }
     meta = metadata(
         res["model"],
