@@ -12,7 +12,8 @@ decode time.
 With --rows N, N sequences decode as one batch, joined as mlx-lm's
 BatchGenerator joins them (`merge`: BatchKVCache for fp, BatchKVarNCache for
 KVarN); the context is the longest row's, the others are shorter by steps of
-context / (2 N) tokens (row_lengths), as a server's rows differ. Tokens/s
+context / (2 N) + 128 / N tokens (row_lengths): as in a server's batch, the rows
+differ and complete their tiles at spread steps. Tokens/s
 counts every row's token; the tile-overhead section (single caches) is left out.
 
 Caches are filled with random K/V to the context length instead of a real
@@ -78,10 +79,14 @@ def fill(caches, H, D, ctx, chunk=1024, seed=0):
             )
 
 
+# The extra 128 / rows tokens spread the rows' tile boundaries over the steps, as
+# in a server's batch: rows that complete their tiles at the same step would make
+# the few measured steps all commit steps (waiting_tiles.py) or none.
 def row_lengths(ctx, rows):
     """Tokens per batch row: the last row at the context, the others shorter by
-    steps of context / (2 rows) tokens (rows of a server batch differ)."""
-    return [ctx - (rows - 1 - i) * (ctx // (2 * rows)) for i in range(rows)]
+    steps of context / (2 rows) + 128 / rows tokens."""
+    step = ctx // (2 * rows) + 128 // rows
+    return [ctx - (rows - 1 - i) * step for i in range(rows)]
 
 
 def filled_batch(model, name, lengths, H, D):
@@ -204,7 +209,8 @@ def render(data):
         md.append(
             f"Batched: {n} sequences decoding together (mlx-lm's merge: BatchKVCache for fp, "
             "BatchKVarNCache for KVarN); 'context' is the longest row, the others are shorter by "
-            f"steps of context / {2 * n} tokens (row_lengths). Tok/s counts every row's token; "
+            f"steps of context / {2 * n} + {128 // n} tokens (row_lengths: tile boundaries at "
+            "spread steps). Tok/s counts every row's token; "
             "graph ms is the whole batch step's; cache MiB is every array held, the room and "
             "padding up to the longest row included.\n"
         )

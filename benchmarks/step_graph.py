@@ -53,7 +53,7 @@ from mlx_lm.models import cache as mlx_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_speed import fill, row_lengths  # noqa: E402
+from decode_speed import fill  # noqa: E402
 
 from kvarn_mlx import dispatch, waiting_tiles  # noqa: E402
 from kvarn_mlx.batch_cache import BatchKVarNCache  # noqa: E402
@@ -148,6 +148,12 @@ def make(model, name):
     return mlx_cache.make_prompt_cache(model) if name == PLAIN else make_cache(model, name)
 
 
+def row_lengths(ctx, rows):
+    """Tokens per batch row before the warm-up steps: the last row at the context,
+    the others shorter by up to half of it (rows of a server batch differ)."""
+    return [ctx - WARMUP - 1 - (rows - 1 - i) * (ctx // (2 * rows)) for i in range(rows)]
+
+
 def make_filled(model, name, ctx, rows):
     """The method's cache, filled; with rows > 0, a batch of that many sequences
     (each filled alone, then joined as mlx-lm's BatchGenerator does: merge)."""
@@ -159,9 +165,9 @@ def make_filled(model, name, ctx, rows):
         fill(caches, H, D, ctx - WARMUP - 1)
         return caches
     seqs = []
-    for i, n in enumerate(row_lengths(ctx, rows)):  # the longest row at the context after warm-up
+    for i, n in enumerate(row_lengths(ctx, rows)):
         seqs.append(make(model, name))
-        fill(seqs[-1], H, D, n - WARMUP - 1, seed=i)
+        fill(seqs[-1], H, D, n, seed=i)
     return [type(layer[0]).merge(list(layer)) for layer in zip(*seqs)]
 
 
@@ -237,7 +243,7 @@ def render(data, times=True):
             f"Batched: {data['batch_rows']} sequences decoding together (mlx-lm's merge: "
             "BatchKVCache for fp, BatchKVarNCache for KVarN); 'context' is the longest row, the "
             "others are shorter by steps of context / (2 x rows) tokens "
-            "(decode_speed.row_lengths).\n"
+            "(step_graph.row_lengths).\n"
         )
     head = "| path | context | method | primitives | vs fp | commit step | vs fp |"
     rule = "|---|---|---|---|---|---|---|"

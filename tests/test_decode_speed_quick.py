@@ -73,7 +73,12 @@ def test_decode_speed_quick_batch(tmp_path):
     for r in data["rows"]:
         assert r["tokens_per_s"] == pytest.approx(1 / r["s_per_token"])
         assert 0 < r["build_s"] < 3 * r["s_per_token"] and r["cache_bytes"] > 0
-    assert ds.row_lengths(300, 3) == [200, 250, 300]
+    assert ds.row_lengths(300, 3) == [116, 208, 300] and ds.row_lengths(1024, 4) == [
+        544,
+        704,
+        864,
+        1024,
+    ]
     assert "Batched: 3 sequences" in (out / "decode_speed.md").read_text()
     with pytest.raises(SystemExit):
         ds.main([*argv[:3], "--methods", "fp,mlxq4", "--out", str(out)])

@@ -116,8 +116,10 @@ def test_step_graph_quick_batch(tmp_path):
     assert data["batch_rows"] == 3 and [
         (r["path"], r["method"], r["rows"]) for r in data["rows"]
     ] == [(p, m, 3) for p in sg.PATHS for m in ("fp", "k4v2_g128")]
-    lengths = sg.row_lengths(int(sg.QUICK["contexts"]), 3)  # before the warm-up steps
-    assert lengths == sorted(set(lengths)) and lengths[-1] == int(sg.QUICK["contexts"])
+    lengths = sg.row_lengths(int(sg.QUICK["contexts"]), 3)
+    assert (
+        lengths == sorted(set(lengths)) and lengths[-1] == int(sg.QUICK["contexts"]) - sg.WARMUP - 1
+    )
     for r in data["rows"]:
         assert r["primitives"] > 0 and r["build_s"] > 0
     assert "Batched: 3 sequences" in (out / "step_graph.md").read_text()
