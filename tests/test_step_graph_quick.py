@@ -72,6 +72,7 @@ def test_step_graph_quick(tmp_path):
     rows = {(r["path"], r["method"]): r for r in data["rows"]}
     for (path, method), r in rows.items():
         assert r["build_s"] > 0 and r["primitives"] == sum(r["by_primitive"].values())
+        assert r["slowest_step_s"] >= r["step_s"] > r["build_s"] / 2
         lo, hi = r["primitives_range"]
         assert lo <= r["primitives"] <= hi
         if method == sg.PLAIN:
