@@ -217,13 +217,19 @@ def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None)
     shapes decide (templates, grids, the params array) found once per shape.
 
     row_lens: int32 [B, 3], per batch row its own tiles, sink and tail tokens,
-    where a batch's rows pad to the longest (batch_cache.py); None: all of them."""
+    where a batch's rows pad to the longest (batch_cache.py); None: all of them.
+    A view whose recent tokens start a buffer (view.recent_room, a cache's tail)
+    passes the whole buffer and its count: no strided slice for the kernel to copy."""
     tiles, sk = view.tiles, view.sink_k
-    S, Tn = sk.shape[2], view.recent_k.shape[2]
-    kv_dtype = sk.dtype if S else (view.recent_k.dtype if Tn else mx.float16)
+    rk, rv = view.recent_k, view.recent_v
+    S, Tn = sk.shape[2], rk.shape[2]
+    kv_dtype = sk.dtype if S else (rk.dtype if Tn else mx.float16)
     plan = _plan(q, view, kv_dtype, bool(causal))
     if row_lens is None:
         row_lens = _lengths(plan.head[0], S, Tn)
+        if view.recent_room is not None and view.recent_room[0].shape[2]:
+            rk, rv = view.recent_room
+            Tn = rk.shape[2]  # the buffer's width; row_lens holds the count
     n_rows = row_lens.shape[0]
     params = plan.params.get((Tn, n_rows))
     if params is None:
@@ -255,8 +261,8 @@ def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None)
             dense(sk, S),
             dense(view.sink_v, S),
             *tiles.arrays(),
-            dense(view.recent_k, Tn),
-            dense(view.recent_v, Tn),
+            dense(rk, Tn),
+            dense(rv, Tn),
             params,
             row_lens,
             _scalar(scale),

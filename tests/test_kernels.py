@@ -388,6 +388,30 @@ def test_attention_matches_reference(D, G, kb, vb, n_rep, L, S, ctx, B, dtype):
         assert err <= tol, f"{name}: {err:.3e} > {tol:.3e}"
 
 
+@pytest.mark.parametrize("L, R", [(1, 37), (4, 70), (1, 0)])
+def test_attention_reads_the_tail_buffer_up_to_its_count(L, R):
+    """A cache's view passes its whole tail buffer (StepView.recent_room) with the count
+    of recent tokens: the kernel reads those and none of the room after them."""
+    from dataclasses import replace
+
+    D, G, kb, vb, B = 64, 64, 4, 2, 1
+    rng = np.random.default_rng([L, R])
+    c = _cache(rng, B, 2, D, G, 64, 64 + 3 * G + R, kb, vb, mx.float32, tail=R)
+    assert c["n"] == 3 and c["tail_k"].shape[2] == R
+    q = mx.array(rng.standard_normal((B, 8, L, D)).astype(np.float32))
+    want = _attention_reference(q, c, D**-0.5, kb, vb)
+    room = [
+        mx.concatenate([x, mx.full((B, 2, 96 - R, D), 1e3, x.dtype)], axis=2)
+        for x in (c["tail_k"], c["tail_v"])
+    ]
+    q, view, scale, causal = _att_args(q, c, D**-0.5, kb, vb)
+    view = replace(view, recent_room=tuple(room))
+    with metal():
+        got = kernels.packed_attention_metal(q, view, scale, causal)
+        mx.eval(got)
+    assert np.abs(np.array(got) - want).max() <= ATT_TOL * np.abs(want).max()
+
+
 def test_attention_over_a_long_tail():
     """A tail of several tiles' tokens (KVarNConfig.tail_tokens): the kernel reads it in
     blocks of G tokens, as the sink."""
