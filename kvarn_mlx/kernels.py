@@ -394,7 +394,7 @@ def _lengths(n_tiles, S, Tn):
 
 
 def _query_flags(rot, shape):
-    """A layer's per-kv-head key rotation flags rot [H] spread over queries of
+    """A layer's per-kv-head key rotation flags rot [H] (or a batch's [B, H]) spread over queries of
     this shape [B, Hq, L, D]; built once per flag array (lazily: the first step
     computes it, later steps read it)."""
     key = (id(rot), tuple(shape))
@@ -403,7 +403,11 @@ def _query_flags(rot, shape):
         if len(_flags) > 4096:  # flags of caches long gone
             _flags.clear()
         B, Hq, L, D = shape
-        flags = mx.broadcast_to(mx.repeat(rot, Hq // rot.size).reshape(1, Hq, 1, 1), shape)
+        lead, H = (
+            (rot.shape[0], rot.shape[1]) if rot.ndim == 2 else (1, rot.size)
+        )  # [B, H]: a batch's
+        flags = mx.repeat(rot.reshape(lead, H), Hq // H, axis=1).reshape(lead, Hq, 1, 1)
+        flags = mx.broadcast_to(flags, shape)
         hit = _flags[key] = (rot, flags)
     return hit[1]
 

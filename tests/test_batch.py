@@ -562,7 +562,8 @@ def test_metal_kernel_decodes_all_rows_in_one_call(monkeypatch):
 
 
 @pytest.mark.emulator
-def test_metal_kernel_reads_each_row_to_its_own_lengths(monkeypatch):
+@pytest.mark.parametrize("cfg", [CFG, get_preset("auto4v2", group_size=64, sink=16)])
+def test_metal_kernel_reads_each_row_to_its_own_lengths(monkeypatch, cfg):
     # Rows of 0, 1 and 3 tiles, sinks of 10 and 16 tokens, tails of their own
     # lengths: the kernel's one call equals each row's own attention (ops path).
     import metal_emulator
@@ -571,7 +572,9 @@ def test_metal_kernel_reads_each_row_to_its_own_lengths(monkeypatch):
     mslemu = None if metal_emulator.NATIVE else metal_emulator.load()
     if not metal_emulator.NATIVE and mslemu is None:
         pytest.skip(metal_emulator.SKIP_REASON)
-    run = Run([230, 9, 100])
+    run = Run([230, 9, 100], configs=[cfg] * 3)
+    if cfg.rotate_keys == "auto":  # each row's own per-head choice: [B, H] flags
+        run.decode(2)
     B = len(run.singles)
     k, v = randn(B, H, 1, D, seed=70), randn(B, H, 1, D, seed=71)
     q = randn(B, HQ, 1, D, seed=72)
@@ -595,4 +598,4 @@ def test_metal_kernel_reads_each_row_to_its_own_lengths(monkeypatch):
         want = attention.packed_attention(q[b : b + 1], c, SCALE)
         np.testing.assert_allclose(np.array(got[b]), np.array(want[0]), rtol=1e-4, atol=1e-5)
     assert [c.n_tiles for c in run.singles] == [3, 0, 1]
-    assert [c.n_sink for c in run.singles] == [16, 10, 16]
+    assert run.singles[1].n_sink == run.singles[1].offset < 16 == run.singles[0].n_sink
