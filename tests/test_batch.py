@@ -220,6 +220,16 @@ def test_one_graph_decode_with_per_head_rotation_and_fp8_scales(preset, scales):
     assert all(isinstance(f, mx.array) for f in flags) or preset != "auto4v2"
 
 
+def test_one_graph_decode_with_a_full_precision_tail():
+    # tail_tokens: the newest tokens stay in full precision, tiles leave the tail later.
+    cfg = KVarNConfig(k_bits=4, v_bits=2, group_size=64, sink=16, tail_tokens=64)
+    run = Run([200, 30, 120], configs=[cfg] * 3)
+    run.decode(70)
+    run.check()
+    assert [c.n_tiles for c in run.singles] == [c.n_tiles for c in run.batch.rows]
+    assert run.singles[0].n_tiles >= 2 and run.singles[1].n_tiles == 0
+
+
 def test_rows_of_other_settings_attend_per_row():
     # Rows whose tiles differ in shape cannot share one storage: each keeps its own.
     run = Run([100, 90], configs=[CFG, KVarNConfig(k_bits=2, v_bits=4, group_size=64, sink=16)])
