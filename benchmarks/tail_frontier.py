@@ -54,11 +54,14 @@ def float16_bytes_per_token(model, method, tokens, chunk=4096):
 
 
 def collect(runs, model, long_contexts, methods=None):
+    """Points of the first run's contexts (other runs add rows at those contexts)."""
+    contexts = {r["context"] for r in runs[0]["result"]["rows"]}
     rows = [
         r
         for run in runs
         for r in run["result"]["rows"]
-        if methods is None or r["method"] in methods or r["method"] == "fp"
+        if r["context"] in contexts
+        and (methods is None or r["method"] in methods or r["method"] == "fp")
     ]
     points = []
     for L in sorted({r["context"] for r in rows}):
@@ -75,7 +78,7 @@ def collect(runs, model, long_contexts, methods=None):
                 **{k: r[k] for k in ("kl_mean", "kl_p99", "top1_agree", "ppl_delta")},
                 "bytes_per_token": float16_bytes_per_token(model, r["method"], L),
                 "plain_bytes_per_token": plain,
-                "run_bytes_per_token": r["growing_bytes"] / L,
+                "run_bytes_per_token": (r.get("growing_bytes") or r["bytes"]) / L,
                 "long": {n: float16_bytes_per_token(model, r["method"], n) for n in long_contexts},
             }
             points.append(p)
