@@ -625,6 +625,8 @@ def generate(args):
             name = args.kv_preset + (
                 f", layers {args.kv_fp16_layers} plain" if args.kv_fp16_layers else ""
             )
+            if args.kv_tail_tokens and args.kv_preset != FP16:
+                name += f", newest {args.kv_tail_tokens} tokens in full precision"
     held = getattr(cache[0], "offset", 0) if cache else 0
     max_tokens = context_limit(model, args, held, len(prompt_ids))
 

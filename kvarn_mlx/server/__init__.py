@@ -3,7 +3,7 @@
 This runs mlx_lm.server itself (its flags, endpoints and behaviour: chat and
 text completions, streaming, tools, stop words, logprobs, batching, the LRU
 prompt cache), with:
-- every KV cache it makes built by kvarn_mlx.make_cache (--kv-preset, --kv-sink;
+- every KV cache it makes built by kvarn_mlx.make_cache (--kv-preset, --kv-sink, --kv-tail-tokens;
   --kv-profile with --kv-bytes-like or --kv-max-kl: per-layer widths, which
   /v1/kv_stats shows as kv_widths);
   KVarN caches merge into batches, so requests are batched;
