@@ -11,11 +11,15 @@ from kvarn_mlx.config import get_preset
 from kvarn_mlx.integration import make_cache
 from test_server_mlx import client, get, model_dir, prompt, request, server  # noqa: F401 (fixture)
 
-PRESET, SINK = "k4v2_g64", 16  # test_server_mlx's server() flags
+PRESET, SINK, TAIL = "k4v2_g64", 16, 64  # test_server_mlx's server() flags
+
+
+def config():
+    return get_preset(PRESET, sink=SINK, tail_tokens=TAIL)
 
 
 def kv_budget(model, max_bytes):
-    return budget.KVBudget(model, make_cache(model, get_preset(PRESET, sink=SINK)), max_bytes)
+    return budget.KVBudget(model, make_cache(model, config()), max_bytes)
 
 
 def test_fit_tokens_holds_within_the_budget(model_dir):
@@ -28,7 +32,7 @@ def test_fit_tokens_holds_within_the_budget(model_dir):
         assert budget.fit_tokens(kv, n, fit) == fit and budget.fit_tokens(kv, n, 3) == 3
         # A real cache fed the prompt in one chunk and then one token at a time holds at most
         # the budget.
-        cache, held = make_cache(model, get_preset(PRESET, sink=SINK)), 0
+        cache, held = make_cache(model, config()), 0
         x = mx.zeros((1, n), mx.int32)
         model(x, cache=cache)
         for _ in range(fit):
