@@ -177,7 +177,7 @@ def check_args(args):
             f"--kv-sink {args.kv_sink}: the number of leading tokens kept in full precision is 0 "
             "or more"
         )
-    if tail_error(args.kv_preset, args.kv_tail_tokens):
+    if args.kv_profile is None and tail_error(args.kv_preset, args.kv_tail_tokens):
         raise UsageError(
             f"--kv-tail-tokens {args.kv_tail_tokens}: "
             f"{tail_error(args.kv_preset, args.kv_tail_tokens)}"
@@ -208,7 +208,9 @@ def kv_profile(args):
             "widths"
         )
     try:
-        return profiles.flags(args.kv_profile, args.kv_bytes_like, args.kv_max_kl, DEFAULT_PRESET)
+        return profiles.flags(
+            args.kv_profile, args.kv_bytes_like, args.kv_max_kl, DEFAULT_PRESET, args.kv_tail_tokens
+        )
     except ValueError as e:
         raise UsageError(str(e)) from None
 

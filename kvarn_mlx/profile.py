@@ -15,6 +15,7 @@ whose message names the problem and the fix.
 import hashlib
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -176,11 +177,13 @@ def check_model(p, model, layers, where="the profile"):
         raise ProfileError(f"{where} {what}; calibrate again (python -m kvarn_mlx.calibrate)")
 
 
-def flags(profile, bytes_like, max_kl, default_bytes_like):
+def flags(profile, bytes_like, max_kl, default_bytes_like, tail_tokens=None):
     """(profile, bytes_like, max_kl) for make_cache from the CLIs' --kv-profile,
     --kv-bytes-like and --kv-max-kl, the profile file's structure checked (no
     model needed); (None, None, None) without a profile. Without either target,
-    the widths match default_bytes_like's bytes. Raises ValueError naming the flag."""
+    the widths match default_bytes_like's bytes. tail_tokens (--kv-tail-tokens)
+    is checked against the profile's tile size, which replaces the preset's.
+    Raises ValueError naming the flag."""
     if profile is None:
         if bytes_like is not None or max_kl is not None:
             raise ValueError(
@@ -204,9 +207,14 @@ def flags(profile, bytes_like, max_kl, default_bytes_like):
         except ValueError as e:
             raise ValueError(f"--kv-bytes-like: {e}") from None
     try:
-        read(profile)
+        settings = read(profile)["settings"]
     except ProfileError as e:
         raise ValueError(f"--kv-profile: {e}") from None
+    if tail_tokens is not None:
+        try:
+            replace(settings_config(settings, 2, 2), tail_tokens=tail_tokens)
+        except ValueError as e:
+            raise ValueError(f"--kv-tail-tokens with --kv-profile {profile}: {e}") from None
     return profile, bytes_like, max_kl
 
 
@@ -218,6 +226,7 @@ def from_settings(settings, default_bytes_like):
         getattr(settings, "kv_bytes_like", None),
         getattr(settings, "kv_max_kl", None),
         default_bytes_like,
+        getattr(settings, "kv_tail_tokens", None),
     )
 
 

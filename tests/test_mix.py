@@ -222,6 +222,12 @@ def test_generate_flags(tmp_path, models):
     with pytest.raises(generate.UsageError, match="--kv-bytes-like"):
         generate.check_args(parse(["--kv-profile", path, "--kv-bytes-like", "k9v2"]))
     assert generate.kv_profile(parse(["--kv-profile", path])) == (path, "auto4v2", None)
+    # the profile's tile size (128), not the preset's, is what a tail must be a multiple of
+    with pytest.raises(generate.UsageError, match="--kv-tail-tokens with --kv-profile"):
+        generate.check_args(parse(["--kv-profile", path, "--kv-tail-tokens", "64"]))
+    tail = parse(["--kv-profile", path, "--kv-tail-tokens", "256", "--kv-preset", "k4v2_g64"])
+    generate.check_args(tail)
+    assert generate.kv_profile(tail) == (path, "auto4v2", None)
     assert generate.kv_profile(parse(["--kv-profile", path, "--kv-max-kl", "0.01"])) == (
         path,
         None,

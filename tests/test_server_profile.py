@@ -19,7 +19,9 @@ def test_served_caches_take_the_profile_widths(model_dir, tmp_path):
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(synthetic(model)))
     want = profile_mix(model, str(path), "auto2")[0].summary()
-    with server(model_dir, "--kv-profile", str(path), "--kv-bytes-like", "auto2") as (url, _):
+    # server() serves k4v2_g64 with a 64-token tail; the profile's tiles are 128 tokens
+    flags = ("--kv-profile", str(path), "--kv-bytes-like", "auto2", "--kv-tail-tokens", "128")
+    with server(model_dir, *flags) as (url, _):
         reply = client(url).chat.completions.create(
             model="default_model",
             messages=[{"role": "user", "content": "hello " * 200}],

@@ -108,11 +108,15 @@ def main(argv=None):
         args = cli_args(argv)
         try:
             profile = profiles.flags(
-                args.kv_profile, args.kv_bytes_like, args.kv_max_kl, DEFAULT_PRESET
+                args.kv_profile,
+                args.kv_bytes_like,
+                args.kv_max_kl,
+                DEFAULT_PRESET,
+                args.kv_tail_tokens,
             )
         except ValueError as e:
             sys.exit(f"error: {e}")
-        if tail_error(args.kv_preset, args.kv_tail_tokens):
+        if profile[0] is None and tail_error(args.kv_preset, args.kv_tail_tokens):
             sys.exit(f"error: --kv-tail-tokens: {tail_error(args.kv_preset, args.kv_tail_tokens)}")
         return run_cli(
             dict(

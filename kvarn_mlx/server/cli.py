@@ -128,7 +128,7 @@ def main(argv=None, handler=APIHandler, parser=None):
         parser.error(f"--kv-preset: {preset_error(ours.kv_preset)}")
     elif ours.kv_sink is not None and ours.kv_sink < 0:
         parser.error(f"--kv-sink {ours.kv_sink}: must be >= 0")
-    elif tail_error(ours.kv_preset, ours.kv_tail_tokens):
+    elif ours.kv_profile is None and tail_error(ours.kv_preset, ours.kv_tail_tokens):
         parser.error(f"--kv-tail-tokens: {tail_error(ours.kv_preset, ours.kv_tail_tokens)}")
     elif profile_error(ours):
         parser.error(profile_error(ours))
