@@ -63,25 +63,15 @@ COMPILE = True
 
 
 def _attend_arrays(q, sk, sv, rk, rv, recent_len, rotate_k, arrays, n, bits, rotate_v, scale, _):
-    global _traces
-    _traces += 1  # runs only when mx.compile traces
     view = StepView(sk, sv, TileStorage(*arrays, count=n), n, rk, rv, *bits, rotate_k, rotate_v)
     return attend(q, view, scale, recent_len=recent_len)
 
 
-# mx.compile keeps every trace and looks a call up among them one by one: a long
-# generation's old tile counts would slow every step. After MAX_TRACES traces the
-# compiled function starts afresh (its traces go with it).
-MAX_TRACES = 64
-_compiled = mx.compile(_attend_arrays)
-_traces = 0
+_compiled = dispatch.Compiled(_attend_arrays)  # a long generation's old shapes dropped
 _counts = {}  # recent token count -> that count as an int32 array, made once
 
 
 def _attend_compiled(queries, view, scale):
-    global _compiled, _traces
-    if _traces > MAX_TRACES:
-        _compiled, _traces = mx.compile(_attend_arrays), 0
     R = view.recent_k.shape[2]
     count = _counts.get(R)
     if count is None:

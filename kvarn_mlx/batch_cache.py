@@ -426,21 +426,15 @@ ROOM = 32
 # C++), with the mask of the rows' own columns as an input: the shapes change at
 # a tile and every ROOM steps, not at every step.
 def _attend_arrays(q, sk, sv, rk, rv, mask, rotate_k, arrays, n, bits, rotate_v, scale, _):
-    global _traces
-    _traces += 1  # runs only when mx.compile traces
     tiles = TileStorage(*arrays, count=n) if n else None
     view = StepView(sk, sv, tiles, n, rk, rv, *bits, rotate_k, rotate_v)
     return attention.attend(q, view, scale, mask)
 
 
-_compiled = mx.compile(_attend_arrays)
-_traces = 0
+_compiled = dispatch.Compiled(_attend_arrays)
 
 
 def _attend_compiled(queries, view, scale, mask):
-    global _compiled, _traces
-    if _traces > attention.MAX_TRACES:  # (as attention._attend_compiled)
-        _compiled, _traces = mx.compile(_attend_arrays), 0
     streams = tuple(map(str, dispatch.cpu_streams(view.n_tiles // attention.MIN_STREAM_TILES)))
     return _compiled(
         queries,

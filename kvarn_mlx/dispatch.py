@@ -100,9 +100,6 @@ def _quantize(x, bits, iters, rotated, scale_dtype, keys):
         fallback("tile quantization", reason)
     if not COMPILE:
         return _quantize_ops(x, bits, iters, rotated, scale_dtype, keys)
-    global _compiled, _traces
-    if _traces > MAX_TRACES:
-        _compiled, _traces = mx.compile(_quantize_traced), 0
     return _compiled(x, bits, iters, rotated, scale_dtype, keys)
 
 
@@ -111,10 +108,24 @@ def _quantize_ops(x, bits, iters, rotated, scale_dtype, keys):
     return ops(x, bits, iters, rotated, scale_dtype)
 
 
-def _quantize_traced(*args):
-    global _traces
-    _traces += 1  # runs only when mx.compile traces
-    return _quantize_ops(*args)
+class Compiled:
+    """fun through mx.compile: traced once per shape and settings, then replayed
+    from C++. mx.compile keeps every trace and looks a call up among them one by
+    one (each prefill's tile count, each tail length is a new shape): after
+    max_traces traces it starts afresh, its traces going with it."""
+
+    def __init__(self, fun, max_traces=64):
+        self.fun, self.max_traces = fun, max_traces
+        self.traces, self._compiled = 0, mx.compile(self._traced)
+
+    def _traced(self, *args):
+        self.traces += 1  # runs only when mx.compile traces
+        return self.fun(*args)
+
+    def __call__(self, *args):
+        if self.traces > self.max_traces:
+            self.traces, self._compiled = 0, mx.compile(self._traced)
+        return self._compiled(*args)
 
 
 # Tile quantization on the MLX ops path runs through mx.compile: a commit step's
@@ -123,12 +134,7 @@ def _quantize_traced(*args):
 # stored codes and scales are bit-identical to the uncompiled ops'
 # (tests/test_quant_compiled.py). False: the ops as they are, every call.
 COMPILE = True
-# mx.compile keeps every trace and looks a call up among them one by one (each
-# prefill's tile count is a new shape): after MAX_TRACES traces the compiled
-# function starts afresh.
-MAX_TRACES = 64
-_compiled = mx.compile(_quantize_traced)
-_traces = 0
+_compiled = Compiled(_quantize_ops)
 
 
 def quantize_keys(k, bits, iters=8, rotated=True, scale_dtype="float16"):

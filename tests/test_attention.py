@@ -581,12 +581,12 @@ def test_compiled_decode_steps_match_attend_and_the_reference(preset, sink, monk
 
 
 def test_compiled_decode_starts_afresh_after_max_traces(monkeypatch):
-    # mx.compile keeps every trace; the decode path drops them after MAX_TRACES so that a
+    # mx.compile keeps every trace; the decode path drops them after max_traces so that a
     # long generation's old shapes do not slow the lookup. Results stay the same.
     from kvarn_mlx import attention, dispatch
 
     monkeypatch.setattr(dispatch, "use_metal", lambda: False)
-    monkeypatch.setattr(attention, "MAX_TRACES", 1)
+    monkeypatch.setattr(attention._compiled, "max_traces", 1)
     rng = np.random.default_rng(22)
     D, H = 64, 2
     cache = KVarNCache("k4v2_g128")
@@ -599,4 +599,4 @@ def test_compiled_decode_starts_afresh_after_max_traces(monkeypatch):
         got = packed_attention(q, cache, D**-0.5)
         want = attention.attend(q, replace(cache.step_view(), recent_room=None), D**-0.5)
         check_close(got, np.array(want).astype(np.float64), f"step {i}", 1e-5, 1e-5)
-    assert len(made) >= 2 and attention._traces <= 2
+    assert len(made) >= 2 and attention._compiled.traces <= 2

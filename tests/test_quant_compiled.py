@@ -72,14 +72,14 @@ def test_every_scale_dtype_same_bits(scale_dtype):
 
 def test_compiled_path_is_taken(monkeypatch):
     """The comparison above means something only if dispatch really compiles."""
-    monkeypatch.setattr(dispatch, "_traces", 0)
+    monkeypatch.setattr(dispatch._compiled, "traces", 0)
     x = tiles(3, G=96, D=32)  # a shape no other test quantizes: traced here
     for _ in range(3):
         mx.eval(dispatch.quantize_values(x, 4, 8, True, "float16"))
-    assert dispatch._traces > 0
-    traced = dispatch._traces
+    assert dispatch._compiled.traces > 0
+    traced = dispatch._compiled.traces
     mx.eval(dispatch.quantize_values(x, 4, 8, True, "float16"))
-    assert dispatch._traces == traced  # replayed, not traced again
+    assert dispatch._compiled.traces == traced  # replayed, not traced again
 
 
 @pytest.mark.slow
