@@ -164,15 +164,13 @@ def test_batched_answers_stop_where_the_code_block_closes(monkeypatch):
             return fake(*a, **k)
 
     prompts = [[1, 2, 3], [4, 5, 6]]
-    outs, finals = tasks.generate(
-        Scripted(),
-        tok,
-        "k4v2_g128",
-        prompts,
-        [make_cache(model, "k4v2_g128") for _ in prompts],
-        12,
-        64,
-    )
+    got = {
+        i: (out, cache)
+        for i, out, cache in tasks.answers(
+            Scripted(), tok, "k4v2_g128", prompts, lambda: make_cache(model, "k4v2_g128"), 12, 64, 2
+        )
+    }
+    outs, finals = [got[i][0] for i in (0, 1)], [got[i][1] for i in (0, 1)]
     assert bytes(outs[0]) == b"```\n```"
     assert len(outs[1]) == 12
     # Both rows hand back their own caches, the stopped one included, holding what they read.
@@ -180,6 +178,27 @@ def test_batched_answers_stop_where_the_code_block_closes(monkeypatch):
         assert [type(c).__name__ for c in final] == ["KVarNCache"] * 2 and n - 1 <= final[
             0
         ].offset <= n
+
+
+def test_a_finished_row_goes_to_the_next_prompt():
+    # Continuous batching: three prompts through two rows. Each prompt gets its own cache when it
+    # starts, is answered once, and its cache holds its prompt and answer.
+    from kvarn_mlx.integration import make_cache
+    from models import tiny_model, tokenizer
+
+    model, tok = tiny_model("llama64"), tokenizer()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
+    made = []
+
+    def new_cache():
+        made.append(make_cache(model, "k4v2_g128"))
+        return made[-1]
+
+    got = list(tasks.answers(model, tok, "k4v2_g128", prompts, new_cache, 5, 64, 2))
+    assert sorted(i for i, _, _ in got) == [0, 1, 2] and len(made) == 3
+    for i, out, cache in got:
+        assert 1 <= len(out) <= 5
+        assert len(prompts[i]) + len(out) - 1 <= cache[0].offset <= len(prompts[i]) + len(out)
 
 
 def test_select():
@@ -273,7 +292,7 @@ def test_cli_end_to_end_and_resume(tiny, tmp_path, monkeypatch):
     assert saved["meta"]["attention"] == "packed"
     # A second run takes every problem from the checkpoint; more problems run only the new one.
     monkeypatch.setattr(
-        tasks, "generate", lambda *a, **k: pytest.fail("generated a finished problem again")
+        tasks, "answers", lambda *a, **k: pytest.fail("generated a finished problem again")
     )
     again = main(argv, model=model, tokenizer=tok, model_name="tiny")
     assert again["results"] == res["results"]

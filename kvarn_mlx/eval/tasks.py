@@ -89,7 +89,9 @@ def add_arguments(p):
         "(0: the problem alone)",
     )
     p.add_argument("--max-tokens", type=int, default=512, help="answer tokens at most")
-    p.add_argument("--batch", type=int, default=8, help="problems generated together (one batch)")
+    p.add_argument(
+        "--batch", type=int, default=8, help="answers decoded together (continuous batching)"
+    )
     p.add_argument("--timeout", type=float, default=10.0, help="seconds a problem's tests may run")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument(
@@ -247,18 +249,21 @@ def code_closed(text):
     return re.search(r"```[^\n]*\n.*?```", text, re.S) is not None
 
 
-def generate(model, tokenizer, name, prompts, caches, max_tokens, step):
-    """Greedy answers (token id lists) and the caches after them, batched unless the method
-    cannot be.
+def answers(model, tokenizer, name, prompts, new_cache, max_tokens, step, batch):
+    """Greedy answers, yielded as (prompt index, token ids, cache after it) when each ends.
+
+    Batchable methods decode up to `batch` answers together through mlx-lm's
+    BatchGenerator with continuous batching: a finished answer's row goes to the
+    next prompt at once, so a long answer does not hold a whole batch. Each prompt
+    gets its cache from `new_cache()` only when it starts.
     An answer ends at an end-of-sequence token, at max_tokens, or where its first code block closes
     (the explanation models add after it would only cost time: the tested code is the same)."""
     eos = set(tokenizer.eos_token_ids)
     if not batchable(name):
         from mlx_lm.generate import stream_generate
 
-        outs = []
-        for ids, cache in zip(prompts, caches):
-            out = []
+        for i, ids in enumerate(prompts):
+            cache, out = new_cache(), []
             for r in stream_generate(
                 model,
                 tokenizer,
@@ -272,36 +277,57 @@ def generate(model, tokenizer, name, prompts, caches, max_tokens, step):
                 out.append(r.token)
                 if code_closed(tokenizer.decode(out)):
                     break
-            outs.append(out)
-        return outs, caches
+            yield i, out, cache
+        return
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(model, stop_tokens=[[t] for t in eos], prefill_step_size=step)
+    gen = BatchGenerator(
+        model,
+        stop_tokens=[[t] for t in eos],
+        prefill_step_size=step,
+        completion_batch_size=batch,
+        prefill_batch_size=min(batch, 8),
+    )
+    waiting, index, out = list(range(len(prompts)))[::-1], {}, {}
+
+    def admit(n):
+        rows = [waiting.pop() for _ in range(min(n, len(waiting)))]
+        if rows:
+            uids = gen.insert(
+                [prompts[i] for i in rows],
+                [max_tokens] * len(rows),
+                caches=[new_cache() for _ in rows],
+            )
+            index.update(zip(uids, rows))
+            out.update((u, []) for u in uids)
+
     try:
-        uids = gen.insert(prompts, [max_tokens] * len(prompts), caches=caches)
-        out, final = {u: [] for u in uids}, {}
+        admit(batch)
         steps = 0
-        while responses := gen.next_generated():
+        while index:
+            responses = gen.next_generated()
+            if not responses:
+                raise RuntimeError(f"BatchGenerator stopped with {len(index)} answers unfinished")
             steps += 1
             if steps % 64 == 0:  # BatchGenerator's decode loop never frees MLX's buffer cache
                 mx.clear_cache()
-            closed = []
+            ended, closed = {}, []
             for r in responses:
-                if (
-                    r.finish_reason != "stop"
-                ):  # the end-of-sequence token is left out, as batch_generate does
+                if r.finish_reason != "stop":  # the end-of-sequence token is left out
                     out[r.uid].append(r.token)
                 if r.finish_reason is not None:
-                    final[r.uid] = r.prompt_cache
+                    ended[r.uid] = r.prompt_cache
                 elif code_closed(tokenizer.decode(out[r.uid])):
                     closed.append(r.uid)
             if closed:  # remove() hands back (cache, tokens) per row
-                final.update(
+                ended.update(
                     {u: c for u, (c, _) in gen.remove(closed, return_prompt_caches=True).items()}
                 )
+            for u, cache in ended.items():
+                yield index.pop(u), out.pop(u), cache
+            admit(len(ended))
     finally:
         gen.close()
-    return [out[u] for u in uids], [final[u] for u in uids]
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -360,58 +386,42 @@ def tasks(
                 if shared_ids
                 else None
             )
-            size = batch if batchable(name) else 1
-            for s in range(0, len(todo), size):
-                rows = todo[s : s + size]
-                caches = [
-                    copy.deepcopy(base) if base is not None else new_cache(model, name)
-                    for _ in rows
-                ]
-                t0 = time.perf_counter()
-                outs, finals = generate(
-                    model,
-                    tokenizer,
-                    name,
-                    [parts[i][1] for i in rows],
-                    caches,
-                    max_tokens,
-                    prefill_step_size,
-                )
-                seconds = time.perf_counter() - t0
-                lines = []
-                for i, out, final in zip(rows, outs, finals):
-                    p = problems[i]
-                    answer = tokenizer.decode(out)
-                    outcome = sandbox.run(program(p, answer), timeout=timeout)
-                    rec = {
-                        "task_id": p["task_id"],
-                        "passed": outcome.passed,
-                        "status": outcome.status,
-                        "answer": answer,
-                        "answer_tokens": len(out),
-                        "prompt_tokens": len(shared_ids) + len(parts[i][1]),
-                        "quantized_tokens": quantized_tokens(final),
-                        "batch_seconds": seconds,
-                        "batch_size": len(rows),
-                    }
-                    if not outcome.passed:
-                        rec["output"] = outcome.output[-400:]
-                    done[_key(prefix, name, p["task_id"])] = rec
-                    lines.append(
-                        json.dumps(
-                            {
-                                "settings": shared,
-                                "key": _key(prefix, name, p["task_id"]),
-                                "record": rec,
-                            }
-                        )
-                    )
+            t0 = time.perf_counter()
+            stream = answers(
+                model,
+                tokenizer,
+                name,
+                [parts[i][1] for i in todo],
+                lambda: copy.deepcopy(base) if base is not None else new_cache(model, name),
+                max_tokens,
+                prefill_step_size,
+                batch,
+            )
+            for j, out, final in stream:
+                p = problems[todo[j]]
+                answer = tokenizer.decode(out)
+                outcome = sandbox.run(program(p, answer), timeout=timeout)
+                rec = {
+                    "task_id": p["task_id"],
+                    "passed": outcome.passed,
+                    "status": outcome.status,
+                    "answer": answer,
+                    "answer_tokens": len(out),
+                    "prompt_tokens": len(shared_ids) + len(parts[todo[j]][1]),
+                    "quantized_tokens": quantized_tokens(final),
+                    "seconds_since_start": time.perf_counter() - t0,
+                    "batch": batch if batchable(name) else 1,
+                }
+                if not outcome.passed:
+                    rec["output"] = outcome.output[-400:]
+                key = _key(prefix, name, p["task_id"])
+                done[key] = rec
                 if checkpoint:
                     with open(checkpoint, "a") as f:
-                        f.write("\n".join(lines) + "\n")
-                bar.step(len(rows))
-                del caches, finals
-            del base
+                        f.write(json.dumps({"settings": shared, "key": key, "record": rec}) + "\n")
+                bar.step(1)
+                del final
+            base = None  # free the prefilled context before the next method's
     results = {
         str(prefix): {
             name: [done[_key(prefix, name, p["task_id"])] for p in problems] for name in methods
@@ -480,10 +490,11 @@ def markdown(res, meta_md):
         f"\n{len(res['problems'])} HumanEval problems ({res['problems'][0]} to "
         f"{res['problems'][-1]}), the same for every cache; greedy answers of at most "
         f"{res['max_tokens']} tokens through the model's chat template, ended where their first "
-        f"code block closes, batches of {res['batch']} through mlx-lm's BatchGenerator (mlx-lm's "
-        "quantized cache, mlxqB, one problem at a time); each answer's function run against the "
-        f"problem's tests in a sandbox (timeout {res['timeout']:g} s). Pass@1 interval: 95% "
-        "Wilson. Difference: pass@1 minus the plain cache's (fp) on the same problems, with the "
+        f"code block closes, up to {res['batch']} at once through mlx-lm's BatchGenerator with "
+        "continuous batching (mlx-lm's quantized cache, mlxqB, one problem at a time); each "
+        "answer's function run against the problem's tests in a sandbox "
+        f"(timeout {res['timeout']:g} s). Pass@1 interval: 95% Wilson. Difference: pass@1 minus "
+        "the plain cache's (fp) on the same problems, with the "
         "exact 95% interval conditional on the problems where the two disagree "
         "(Clopper-Pearson) and McNemar's exact p-value; 'lost' = problems fp passes and the "
         "cache fails, 'gained' = the reverse. Quantized: tokens a cache held quantized when its "
