@@ -1,6 +1,7 @@
 """What the commands share (kvarn-generate, kvarn-server, the chat app): one
 function per rule, so that each says the same thing everywhere.
 
+- add_kv_flags: the KV-cache flags, with one help text each;
 - flag: a flag's value in an argv that argparse leaves to another parser;
 - load_error: the one line for a model that failed to load;
 - model_context: the model's context length;
@@ -11,7 +12,57 @@ function per rule, so that each says the same thing everywhere.
 import signal
 import threading
 
+from .config import DEFAULT_PRESET, FP16, PRESETS
+
 INTERRUPTED = 130  # the shell's exit code for a process stopped by Ctrl-C
+
+
+def add_kv_flags(p, sink=True, fp16="mlx-lm's plain cache"):
+    """Add the KV-cache flags to parser (or argument group) p: --kv-preset, --kv-sink
+    (unless sink=False: the chat app's --cli has no setting for it), --kv-tail-tokens,
+    --kv-profile, --kv-bytes-like and --kv-max-kl. fp16: what --kv-preset fp16 is there."""
+    p.add_argument(
+        "--kv-preset",
+        default=DEFAULT_PRESET,
+        help=f"KV cache preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}, any "
+        f"kXvY_gG[_auto]; or {FP16}: {fp16}",
+    )
+    if sink:
+        p.add_argument(
+            "--kv-sink",
+            type=int,
+            default=None,
+            help="Leading tokens kept in full precision (default: the preset's, one tile)",
+        )
+    p.add_argument(
+        "--kv-tail-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Newest tokens kept in full precision besides the tile being filled, a multiple of "
+        "the tile size (default: the preset's)",
+    )
+    p.add_argument(
+        "--kv-profile",
+        default=None,
+        metavar="PROFILE.json",
+        help="Per-layer key and value widths from this model's calibration profile "
+        "(python -m kvarn_mlx.calibrate) instead of --kv-preset's",
+    )
+    p.add_argument(
+        "--kv-bytes-like",
+        default=None,
+        metavar="PRESET",
+        help=f"With --kv-profile: at most this preset's bytes, the least predicted KL "
+        f"(default {DEFAULT_PRESET})",
+    )
+    p.add_argument(
+        "--kv-max-kl",
+        type=float,
+        default=None,
+        metavar="KL",
+        help="With --kv-profile: the fewest bytes whose predicted KL (nats) is at most this",
+    )
 
 
 def flag(argv, name, default=None):

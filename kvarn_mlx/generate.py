@@ -24,8 +24,8 @@ from mlx_lm.sample_utils import make_sampler
 from . import budget, memory, prompt_cache
 from . import profile as profiles
 from .cache import KVarNCache
-from .cli_support import INTERRUPTED, CtrlC, load_error, model_context
-from .config import DEFAULT_PRESET, FP16, PRESETS, preset_error, tail_error
+from .cli_support import INTERRUPTED, CtrlC, add_kv_flags, load_error, model_context
+from .config import DEFAULT_PRESET, FP16, preset_error, tail_error
 from .integration import make_cache, profile_mix
 from .prompt_cache import PromptCacheError
 
@@ -66,25 +66,7 @@ def setup_arg_parser():
     p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p")
     p.add_argument("--seed", type=int, default=None, help="PRNG seed")
-    p.add_argument(
-        "--kv-preset",
-        default=DEFAULT_PRESET,
-        help=f"KV cache: one of {', '.join([*PRESETS, FP16])} (default {DEFAULT_PRESET})",
-    )
-    p.add_argument(
-        "--kv-sink",
-        type=int,
-        default=None,
-        help="Leading tokens kept in full precision (default: one tile)",
-    )
-    p.add_argument(
-        "--kv-tail-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="Newest tokens kept in full precision besides the tile being filled, a multiple of "
-        "the tile size (default: the preset's); a --prompt-cache-file keeps its own",
-    )
+    add_kv_flags(p)
     p.add_argument(
         "--kv-fp16-layers",
         default=None,
@@ -95,27 +77,6 @@ def setup_arg_parser():
         ),
     )
     p.add_argument(
-        "--kv-profile",
-        default=None,
-        metavar="PROFILE.json",
-        help="Per-layer key and value widths chosen from this model's calibration profile "
-        "(python -m kvarn_mlx.calibrate), instead of --kv-preset's",
-    )
-    p.add_argument(
-        "--kv-bytes-like",
-        default=None,
-        metavar="PRESET",
-        help=f"With --kv-profile: at most this preset's bytes, the least predicted KL "
-        f"(default {DEFAULT_PRESET})",
-    )
-    p.add_argument(
-        "--kv-max-kl",
-        type=float,
-        default=None,
-        metavar="KL",
-        help="With --kv-profile: the fewest bytes whose predicted KL (nats) is at most this",
-    )
-    p.add_argument(
         "--compare",
         action="store_true",
         help="Also run the prompt with mlx-lm's plain cache and compare",
@@ -123,8 +84,9 @@ def setup_arg_parser():
     p.add_argument(
         "--prompt-cache-file",
         default=None,
-        help="Reuse the cache saved in this file; if it does not exist, save the cache there "
-        "afterwards ('.safetensors' is added when missing, as mlx-lm does)",
+        help="Reuse the cache saved in this file (it keeps its own --kv-tail-tokens); if it does "
+        "not exist, save the cache there afterwards ('.safetensors' is added when missing, as "
+        "mlx-lm does)",
     )
     p.add_argument(
         "--prefill-step-size", type=int, default=2048, help="Prompt tokens per prefill step"

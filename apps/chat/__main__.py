@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvarn_mlx import guard, server
 from kvarn_mlx import profile as profiles
-from kvarn_mlx.cli_support import flag
+from kvarn_mlx.cli_support import add_kv_flags, flag
 from kvarn_mlx.config import DEFAULT_PRESET, tail_error
 from kvarn_mlx.loader import home
 
@@ -27,40 +27,7 @@ def cli_args(argv):
             "MLX model folder or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)"
         ),
     )
-    p.add_argument(
-        "--kv-preset",
-        default=DEFAULT_PRESET,
-        help=f"KV cache preset (default {DEFAULT_PRESET}; fp16 = mlx-lm's plain cache)",
-    )
-    p.add_argument(
-        "--kv-tail-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="newest tokens kept unquantized besides the tile being filled, a multiple of the "
-        "tile size (default: the preset's)",
-    )
-    p.add_argument(
-        "--kv-profile",
-        default=None,
-        metavar="PROFILE.json",
-        help=(
-            "per-layer widths from this model's calibration profile (python -m kvarn_mlx.calibrate)"
-        ),
-    )
-    p.add_argument(
-        "--kv-bytes-like",
-        default=None,
-        metavar="PRESET",
-        help=f"with --kv-profile: at most this preset's bytes (default {DEFAULT_PRESET})",
-    )
-    p.add_argument(
-        "--kv-max-kl",
-        type=float,
-        default=None,
-        metavar="KL",
-        help="with --kv-profile: the fewest bytes predicting at most this KL",
-    )
+    add_kv_flags(p, sink=False)
     p.add_argument("--max-tokens", type=int, default=512, help="reply length limit (tokens)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature")
     p.add_argument("--resume", default=None, help="resume a conversation saved with /save")

@@ -9,8 +9,8 @@ import sys
 import mlx_lm.server as mlx_server
 
 from .. import budget
-from ..cli_support import flag
-from ..config import DEFAULT_PRESET, FP16, PRESETS, preset_error, tail_error
+from ..cli_support import add_kv_flags, flag
+from ..config import DEFAULT_PRESET, FP16, preset_error, tail_error
 from ..profile import from_settings
 from .handler import APIHandler
 from .hooks import install
@@ -25,47 +25,7 @@ def arg_parser():
         description="mlx-lm's server (all of mlx_lm.server's flags work) on KVarN KV caches.",
     )
     g = p.add_argument_group("KVarN")
-    g.add_argument(
-        "--kv-preset",
-        default=DEFAULT_PRESET,
-        help=f"KVarN preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}, any kXvY_gG[_auto]; "
-        f"or {FP16}: mlx-lm's own cache (then mlx-lm's --kv-bits applies)",
-    )
-    g.add_argument(
-        "--kv-sink",
-        type=int,
-        default=None,
-        help="leading tokens kept unquantized (default: the preset's, one tile)",
-    )
-    g.add_argument(
-        "--kv-tail-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="newest tokens kept unquantized besides the tile being filled, a multiple of the "
-        "tile size (default: the preset's)",
-    )
-    g.add_argument(
-        "--kv-profile",
-        default=None,
-        metavar="PROFILE.json",
-        help="per-layer key and value widths from this model's calibration profile "
-        "(python -m kvarn_mlx.calibrate) instead of --kv-preset's",
-    )
-    g.add_argument(
-        "--kv-bytes-like",
-        default=None,
-        metavar="PRESET",
-        help=f"with --kv-profile: at most this preset's bytes, the least predicted KL "
-        f"(default {DEFAULT_PRESET})",
-    )
-    g.add_argument(
-        "--kv-max-kl",
-        type=float,
-        default=None,
-        metavar="KL",
-        help="with --kv-profile: the fewest bytes whose predicted KL (nats) is at most this",
-    )
+    add_kv_flags(g, fp16="mlx-lm's own cache (then mlx-lm's --kv-bits applies)")
     g.add_argument(
         "--max-kv-bytes",
         type=size_flag,
