@@ -23,24 +23,34 @@ def folders(monkeypatch):
 
 def test_embedded_names_become_folders(folders, tmp_path):
     key = loader.DEFAULT.key
-    assert cli.resolve_model(["--port", "1"]) == ["--port", "1", "--model", folders(key)]
-    assert cli.resolve_model(["--model", f"embedded:{key}", "--port", "1"]) == [
-        "--model",
-        folders(key),
-        "--port",
-        "1",
-    ]
-    assert cli.resolve_model([f"--model={key}"]) == ["--model", folders(key)]
-    for spec in (
-        str(tmp_path),
-        "mlx-community/Qwen3-4B-4bit",
-    ):  # a folder, a hub id: mlx-lm's to load
-        assert cli.resolve_model(["--model", spec]) == ["--model", spec]
+    for spec in (None, f"embedded:{key}", key):  # None: no --model, the embedded default
+        assert cli.resolve_model(spec) == folders(key)
+    for spec in (str(tmp_path), "mlx-community/Qwen3-4B-4bit"):  # a folder, a hub id: mlx-lm's
+        assert cli.resolve_model(spec) == spec
+
+
+def test_mlx_lm_gets_the_folder_and_v1_models_the_name_as_given(folders, monkeypatch):
+    key = loader.DEFAULT.key
+    seen = []
+    monkeypatch.setattr(cli, "install", lambda ours, handler: seen.append(ours.model))
+    monkeypatch.setattr(cli.mlx_server, "main", lambda: seen.append(sys.argv[1:]))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # main replaces it
+    for argv, given in (
+        (["--port", "1"], None),
+        ([f"--model={key}", "--port", "1"], key),
+        (["--model", f"embedded:{key}", "--port", "1"], f"embedded:{key}"),
+    ):
+        seen.clear()
+        cli.main(argv)
+        model, mlx_argv = seen
+        assert model == given and mlx_argv.count("--model") == 1, (argv, seen)
+        i = mlx_argv.index("--model")
+        assert mlx_argv[i + 1] == folders(key) and mlx_argv[:2] == ["--port", "1"], mlx_argv
 
 
 def test_unknown_embedded_name_is_an_error(folders):
     with pytest.raises(SystemExit, match="no embedded model 'nope'"):
-        cli.resolve_model(["--model", "embedded:nope"])
+        cli.resolve_model("embedded:nope")
 
 
 def test_a_model_that_cannot_load_stops_the_server(tmp_path):

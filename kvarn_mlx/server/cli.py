@@ -9,7 +9,7 @@ import sys
 import mlx_lm.server as mlx_server
 
 from .. import budget
-from ..cli_support import add_kv_flags, flag
+from ..cli_support import add_kv_flags
 from ..config import DEFAULT_PRESET, FP16, preset_error, tail_error
 from ..profile import from_settings
 from .handler import APIHandler
@@ -24,6 +24,8 @@ def arg_parser():
         add_help=False,
         description="mlx-lm's server (all of mlx_lm.server's flags work) on KVarN KV caches.",
     )
+    # mlx-lm's --model, read here too: embedded names become their folder for mlx-lm
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     g = p.add_argument_group("KVarN")
     add_kv_flags(g, fp16="mlx-lm's own cache (then mlx-lm's --kv-bits applies)")
     g.add_argument(
@@ -101,8 +103,7 @@ def main(argv=None, handler=APIHandler, parser=None):
             "mlx-lm's)"
         )
     if "-h" not in rest and "--help" not in rest:
-        ours.model = flag(rest, "--model")  # as given: what /v1/models lists
-        rest = resolve_model(rest)
+        rest += ["--model", resolve_model(ours.model)]  # ours.model as given: /v1/models lists it
     # mlx-lm's --allowed-origins sets its CORS headers: the same list as ours.
     rest += ["--allowed-origins", ",".join(ours.allowed_origins)]
     install(ours, handler)
@@ -110,19 +111,13 @@ def main(argv=None, handler=APIHandler, parser=None):
     mlx_server.main()
 
 
-def resolve_model(rest):
-    """mlx-lm's argv with --model as a folder when it names an embedded model
-    (embedded:<key>, or the key alone) or is missing (the default one)."""
+def resolve_model(spec):
+    """The --model mlx-lm loads: the folder of the embedded model spec names
+    (embedded:<key>, the key alone, or None: the default one), else spec as given."""
     from .. import loader
 
-    for i, a in enumerate(rest):
-        if a == "--model" and i + 1 < len(rest) or a.startswith("--model="):
-            spec = rest[i + 1] if a == "--model" else a.split("=", 1)[1]
-            try:
-                path = loader.embedded_path(spec)
-            except loader.ModelLoadError as e:
-                sys.exit(f"error: --model: {e}")
-            if path is None:
-                return rest
-            return [*rest[:i], "--model", str(path), *rest[i + (2 if a == "--model" else 1) :]]
-    return [*rest, "--model", str(loader.embedded_path(None))]
+    try:
+        path = loader.embedded_path(spec)
+    except loader.ModelLoadError as e:
+        sys.exit(f"error: --model: {e}")
+    return spec if path is None else str(path)
