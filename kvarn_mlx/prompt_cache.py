@@ -19,6 +19,8 @@ from pathlib import Path
 
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
+from .atomic_json import check_target
+
 FORMAT = "kvarn-mlx-prompt-cache"
 FORMAT_VERSION = "1"
 SUFFIX = ".safetensors"
@@ -181,36 +183,12 @@ def is_prompt_cache(path):
 
 
 def check_writable(path, overwrite=False):
-    """The file `path` names (cache_path), once it is known that a cache can be saved
-    there: the folder exists and takes new files, and any file already there is a
-    prompt cache of this format (or overwrite=True). Call it before the model runs."""
-    path = cache_path(path)
-    folder = path.parent
-    if not folder.is_dir():
-        what = "is not a folder" if folder.exists() else "does not exist"
-        raise PromptCacheError(
-            f"cannot save the prompt cache to {path}: {folder} {what}; create the folder or pass "
-            "another path"
-        )
-    if path.is_dir():
-        raise PromptCacheError(
-            f"cannot save the prompt cache to {path}: it is a folder; pass a file name"
-        )
-    if path.exists() and not overwrite and not is_prompt_cache(path):
-        raise PromptCacheError(
-            f"{path} exists and is not a kvarn-mlx prompt-cache file; refusing to overwrite it. "
-            "Pass another file name"
-        )
-    try:  # the only check that holds for every user and file system: create a file
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
-    except OSError as e:
-        raise PromptCacheError(
-            f"cannot save the prompt cache to {path}: {folder} is not writable ({e.strerror}); "
-            "pass a path in a writable folder"
-        ) from None
-    os.close(fd)
-    os.unlink(probe)
-    return path
+    """The file `path` names (cache_path), once a cache can be saved there
+    (atomic_json.check_target): the folder exists and takes new files, and any file
+    already there is a prompt cache of this format (or overwrite=True). Call it before
+    the model runs."""
+    is_ours = (lambda _: True) if overwrite else is_prompt_cache
+    return check_target(cache_path(path), is_ours, "prompt-cache file", PromptCacheError)
 
 
 def kv_settings(cache):

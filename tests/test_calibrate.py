@@ -121,7 +121,7 @@ def test_profile_is_not_written_over_other_files(tmp_path, llama_profile):
     with pytest.raises(P.ProfileError, match="not a kvarn-mlx profile; refusing"):
         P.write(other, llama_profile)
     assert other.read_text() == '{"mine": 1}'
-    with pytest.raises(P.ProfileError, match="not a folder"):
+    with pytest.raises(P.ProfileError, match="does not exist; create the folder"):
         P.check_writable(tmp_path / "missing" / "p.json")
 
 
