@@ -524,17 +524,41 @@ def test_batch_generate_on_the_embedded_model(smollm):
     print(f"near ties: {ties} of {len(prompts)} prompts")
 
 
+def metal_or_skip():
+    """The MSL emulator module (None on a Metal device); skips the test with neither."""
+    import metal_emulator
+
+    mslemu = None if metal_emulator.NATIVE else metal_emulator.load()
+    if not metal_emulator.NATIVE and mslemu is None:
+        pytest.skip(metal_emulator.SKIP_REASON)
+    return mslemu
+
+
+@contextlib.contextmanager
+def metal_attention(monkeypatch, mslemu):
+    """Attention through the Metal kernel, natively or in the emulator (metal_or_skip());
+    yields the list of the kernel's calls, each as its batch size."""
+    from kvarn_mlx import kernels
+
+    calls = []
+    kernel = kernels.packed_attention_metal
+    monkeypatch.setattr(
+        kernels, "packed_attention_metal", lambda q, *a: calls.append(q.shape[0]) or kernel(q, *a)
+    )
+    monkeypatch.setattr(dispatch, "_backend", "auto")
+    with contextlib.ExitStack() as stack:
+        if mslemu is not None:
+            stack.enter_context(mslemu.patch_mlx())
+            stack.enter_context(mslemu.options_scope(lint="0"))
+        yield calls
+
+
 @pytest.mark.emulator
 def test_metal_kernel_decodes_all_rows_in_one_call(monkeypatch):
     # The batch's decode steps reach the Metal attention kernel (a device, or the MSL
     # emulator on Linux) once for all rows, each row read to its own lengths, and
     # give the ops path's tokens.
-    import metal_emulator
-    from kvarn_mlx import kernels
-
-    mslemu = None if metal_emulator.NATIVE else metal_emulator.load()
-    if not metal_emulator.NATIVE and mslemu is None:
-        pytest.skip(metal_emulator.SKIP_REASON)
+    mslemu = metal_or_skip()
     model, tok = tiny_model("llama64"), tokenizer()
     # rows of 0 and 2 tiles, and sinks and tails of their own lengths
     prompts = [[t % 255 for t in tokens(n, seed=31 + i)] for i, n in enumerate([60, 150])]
@@ -548,16 +572,7 @@ def test_metal_kernel_decodes_all_rows_in_one_call(monkeypatch):
         max_tokens=12,
         return_token_ids=True,
     ).token_ids
-    calls = []
-    kernel = kernels.packed_attention_metal
-    monkeypatch.setattr(
-        kernels, "packed_attention_metal", lambda q, *a: calls.append(q.shape[0]) or kernel(q, *a)
-    )
-    monkeypatch.setattr(dispatch, "_backend", "auto")
-    with contextlib.ExitStack() as stack:
-        if mslemu is not None:
-            stack.enter_context(mslemu.patch_mlx())
-            stack.enter_context(mslemu.options_scope(lint="0"))
+    with metal_attention(monkeypatch, mslemu) as calls:
         got = batch_generate(
             model,
             tok,
@@ -576,12 +591,7 @@ def test_metal_kernel_decodes_all_rows_in_one_call(monkeypatch):
 def test_metal_kernel_reads_each_row_to_its_own_lengths(monkeypatch, cfg):
     # Rows of 0, 1 and 3 tiles, sinks of 10 and 16 tokens, tails of their own
     # lengths: the kernel's one call equals each row's own attention (ops path).
-    import metal_emulator
-    from kvarn_mlx import kernels
-
-    mslemu = None if metal_emulator.NATIVE else metal_emulator.load()
-    if not metal_emulator.NATIVE and mslemu is None:
-        pytest.skip(metal_emulator.SKIP_REASON)
+    mslemu = metal_or_skip()
     run = Run([230, 9, 100], configs=[cfg] * 3)
     if cfg.rotate_keys == "auto":  # each row's own per-head choice: [B, H] flags
         run.decode(2)
@@ -589,16 +599,7 @@ def test_metal_kernel_reads_each_row_to_its_own_lengths(monkeypatch, cfg):
     k, v = randn(B, H, 1, D, seed=70), randn(B, H, 1, D, seed=71)
     q = randn(B, HQ, 1, D, seed=72)
     run.batch.update_and_fetch(k, v)
-    calls = []
-    kernel = kernels.packed_attention_metal
-    monkeypatch.setattr(
-        kernels, "packed_attention_metal", lambda q, *a: calls.append(q.shape[0]) or kernel(q, *a)
-    )
-    monkeypatch.setattr(dispatch, "_backend", "auto")
-    with contextlib.ExitStack() as stack:
-        if mslemu is not None:
-            stack.enter_context(mslemu.patch_mlx())
-            stack.enter_context(mslemu.options_scope(lint="0"))
+    with metal_attention(monkeypatch, mslemu) as calls:
         got = run.batch.attention(q, SCALE, run.batch.make_mask(1))
         mx.eval(got)
     assert calls == [B]
