@@ -181,6 +181,22 @@ def markdown(res, meta_md):
     return "\n".join(out) + "\n"
 
 
+def plotted_kl(p):
+    """A point's mean KL as drawn: floored so that a zero shows on the log axis."""
+    return max(p["kl_mean"], 1e-6)
+
+
+def kl_vs_bytes_axes(ax, tokens, title):
+    """Label ax as a frontier (tail_frontier.py's too): mean KL to the plain cache, log
+    scale, against KV bytes per token of the growing layers at `tokens` tokens."""
+    ax.set(
+        yscale="log",
+        xlabel=f"KV bytes per token, growing layers, float16 K/V, {tokens} tokens (measured)",
+        ylabel="mean KL to the plain cache (nats)",
+        title=title,
+    )
+
+
 def plot(res, folder):
     plt = pyplot()
     if plt is None:
@@ -204,7 +220,7 @@ def plot(res, folder):
         if pp:
             ax.scatter(
                 [p["bytes_per_token"] for p in pp],
-                [max(p["kl_mean"], 1e-6) for p in pp],
+                [plotted_kl(p) for p in pp],
                 marker=style[label],
                 s=60 if is_mlx(pp[0]["method"]) else 30,
                 label=label,
@@ -213,7 +229,7 @@ def plot(res, folder):
         for p in pp:
             ax.annotate(
                 p["method"],
-                (p["bytes_per_token"], max(p["kl_mean"], 1e-6)),
+                (p["bytes_per_token"], plotted_kl(p)),
                 fontsize=6,
                 xytext=(3, 2),
                 textcoords="offset points",
@@ -225,7 +241,7 @@ def plot(res, folder):
         )
         ax.plot(
             [p["bytes_per_token"] for p in pp],
-            [max(p["kl_mean"], 1e-6) for p in pp],
+            [plotted_kl(p) for p in pp],
             "-",
             color=color,
             alpha=0.5,
@@ -235,14 +251,7 @@ def plot(res, folder):
     ax.axvline(
         res["plain_fp16_bytes_per_token"], color="k", ls="--", lw=1, label="plain float16 cache"
     )
-    ax.set(
-        yscale="log",
-        xlabel=(
-            f"KV bytes per token, growing layers, float16 K/V, {res['context']} tokens (measured)"
-        ),
-        ylabel="mean KL to the plain cache (nats)",
-        title=f"{res['model']}: memory vs fidelity",
-    )
+    kl_vs_bytes_axes(ax, res["context"], f"{res['model']}: memory vs fidelity")
     ax.legend(fontsize=7)
     fig.tight_layout()
     f = folder / "frontier.png"

@@ -26,6 +26,7 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.frontier import kl_vs_bytes_axes, layer_shapes, plotted_kl  # noqa: E402
 from kvarn_mlx.eval.methods import cache_bytes, make_caches  # noqa: E402
 from kvarn_mlx.eval.runner import meta_markdown, metadata, pyplot, write_results  # noqa: E402
 from kvarn_mlx.loader import load  # noqa: E402
@@ -41,10 +42,7 @@ def split(method):
 
 def float16_bytes_per_token(model, method, tokens, chunk=4096):
     """Growing layers' bytes per token of `method`'s caches holding `tokens` float16 tokens."""
-    caches = make_caches(model, method)
-    probe = make_caches(model, "fp")
-    model(mx.array([[1]]), cache=probe)
-    shapes = [c.keys.shape[1:4:2] for c in probe]
+    caches, shapes = make_caches(model, method), layer_shapes(model)
     for s in range(0, tokens, chunk):
         n = min(chunk, tokens - s)
         for c, (H, D) in zip(caches, shapes):
@@ -151,18 +149,11 @@ def plot(res, folder):
         pts = [p for p in res["points"] if p["context"] == L]
         for preset in dict.fromkeys(p["preset"] for p in pts):
             pp = sorted((p for p in pts if p["preset"] == preset), key=lambda p: p["tail"])
-            x, y = [p["bytes_per_token"] for p in pp], [max(p["kl_mean"], 1e-6) for p in pp]
+            x, y = [p["bytes_per_token"] for p in pp], [plotted_kl(p) for p in pp]
             ax.plot(x, y, "o-", label=preset)
             for p in pp:
-                ax.annotate(
-                    str(p["tail"]), (p["bytes_per_token"], max(p["kl_mean"], 1e-6)), fontsize=7
-                )
-        ax.set(
-            yscale="log",
-            xlabel=f"KV bytes per token, float16 K/V, growing layers, {L} tokens (measured)",
-            ylabel="mean KL to the plain cache (nats)",
-            title=f"{res['model']}, {L} tokens (labels: tail tokens)",
-        )
+                ax.annotate(str(p["tail"]), (p["bytes_per_token"], plotted_kl(p)), fontsize=7)
+        kl_vs_bytes_axes(ax, L, f"{res['model']}, {L} tokens (labels: tail tokens)")
         ax.legend(fontsize=8)
     fig.tight_layout()
     f = folder / "tail_frontier.png"
