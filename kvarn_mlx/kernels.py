@@ -155,6 +155,53 @@ _TG_MEM = 32768
 
 def attention_unsupported(q, view: StepView):
     """Why packed_attention_metal cannot take these queries over this view, or None."""
+    memo = _step_memo(q, view)
+    if memo is None:
+        return _unsupported(q, view)
+    if memo.reason is _UNKNOWN:
+        memo.reason = _unsupported(q, view)
+    return memo.reason
+
+
+# A decode step asks every layer the same questions (can the kernel run, with which
+# plan); a layer's answers are kept beside its tile storage while what they depend on
+# is the same as at the last step: tile count, query shape and dtype, bits, and (by
+# identity, cheaper than a key) sink, tail buffer and rotation flags.
+_UNKNOWN = object()
+_step_memos = weakref.WeakKeyDictionary()
+
+
+class _StepMemo:
+    __slots__ = ("n_tiles", "q", "bits", "sink", "recent", "rotate_k", "reason", "plans")
+
+    def __init__(self, q, view, recent):
+        self.n_tiles, self.q = view.n_tiles, (q.shape, q.dtype)
+        self.bits = (view.k_bits, view.v_bits, view.rotate_v)
+        self.sink, self.recent, self.rotate_k = view.sink_k, recent, view.rotate_k
+        self.reason, self.plans = _UNKNOWN, {}
+
+
+def _step_memo(q, view):
+    """The layer's memo for this step (made anew when anything it depends on changed), or
+    None for a view without tiles or whose recent tokens are not a cache's tail buffer."""
+    if view.tiles is None or view.recent_room is None:
+        return None
+    recent = view.recent_room[0]
+    memo = _step_memos.get(view.tiles)
+    if (
+        memo is None
+        or memo.n_tiles != view.n_tiles
+        or memo.sink is not view.sink_k
+        or memo.recent is not recent
+        or memo.rotate_k is not view.rotate_k
+        or memo.q != (q.shape, q.dtype)
+        or memo.bits != (view.k_bits, view.v_bits, view.rotate_v)
+    ):
+        memo = _step_memos[view.tiles] = _StepMemo(q, view, recent)
+    return memo
+
+
+def _unsupported(q, view):
     if q.ndim != 4:
         return f"query of shape {tuple(q.shape)}"
     B, Hq, L, D = q.shape
@@ -334,6 +381,16 @@ _plans = {}
 
 
 def _plan(q, view, kv_dtype, causal):
+    memo = _step_memo(q, view)
+    if memo is None:
+        return _find_plan(q, view, kv_dtype, causal)
+    plan = memo.plans.get((kv_dtype, causal))
+    if plan is None:
+        plan = memo.plans[kv_dtype, causal] = _find_plan(q, view, kv_dtype, causal)
+    return plan
+
+
+def _find_plan(q, view, kv_dtype, causal):
     tiles = view.tiles
     key = (
         *q.shape,

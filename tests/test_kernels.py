@@ -611,6 +611,29 @@ def test_env_switch_and_quiet_import():
     assert p.stdout.split()[0] == "auto"
 
 
+def test_step_answers_follow_the_view():
+    """A layer's decode-step answers (can the kernel run, with which plan) are kept while
+    its view stays the same, and found anew when the tile count, query or tail buffer
+    changes."""
+    from dataclasses import replace
+
+    rng = np.random.default_rng(3)
+    c = _cache(rng, 1, 2, 64, 64, 0, 3 * 64 + 10, 4, 2, mx.float32, tail=10)
+    q = mx.array(rng.standard_normal((1, 4, 1, 64)).astype(np.float32))
+    view = replace(_att_args(q, c, 0.125, 4, 2)[1], recent_room=(c["tail_k"], c["tail_v"]))
+    assert kernels.attention_unsupported(q, view) is None
+    plan = kernels._plan(q, view, mx.float32, True)
+    assert kernels._plan(q, view, mx.float32, True) is plan and plan.head[0] == 3
+    fewer = replace(view, n_tiles=2)
+    assert kernels._plan(q, fewer, mx.float32, True).head[0] == 2
+    assert "query length 9" in kernels.attention_unsupported(mx.zeros((1, 4, 9, 64)), fewer)
+    assert "query dtype" in kernels.attention_unsupported(q.astype(mx.int32), fewer)
+    assert kernels.attention_unsupported(q, fewer) is None
+    other_dtype = replace(fewer, recent_room=tuple(x.astype(mx.int32) for x in fewer.recent_room))
+    other_dtype = replace(other_dtype, recent_k=other_dtype.recent_room[0][:, :, :10])
+    assert "sink/tail dtype" in kernels.attention_unsupported(q, other_dtype)
+
+
 def test_unsupported_falls_back_once(caplog):
     rng = np.random.default_rng(9)
     x = mx.array(rng.standard_normal((2, 64, 80)).astype(np.float32))  # D = 80: not a kernel dim
