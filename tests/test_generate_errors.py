@@ -144,54 +144,24 @@ def generated(out):
 
 def test_generation_stops_at_the_context_limit(capsys, tmp_path):
     short = tiny_model_folder(tmp_path / "short", max_position_embeddings=64)
-    generate.main(
-        [
-            "--model",
-            str(short),
-            "--prompt",
-            PROMPT_40,
-            "--ignore-chat-template",
-            "--max-tokens",
-            "100",
-        ]
-    )
+    argv = ["--model", str(short), "--prompt", PROMPT_40, "--ignore-chat-template"]
+    generate.main([*argv, "--max-tokens", "100"])
     r = capsys.readouterr()
     assert "40-token prompt + --max-tokens 100 go beyond the model's 64-token context" in r.err
     assert generated(r.out) == 24
-    generate.main(
-        [
-            "--model",
-            str(short),
-            "--prompt",
-            PROMPT_40,
-            "--ignore-chat-template",
-            "--max-tokens",
-            "100",
-            "--allow-beyond-context",
-        ]
-    )
+    generate.main([*argv, "--max-tokens", "100", "--allow-beyond-context"])
     r = capsys.readouterr()
     assert "beyond the model's 64-token context" in r.err and generated(r.out) == 100
 
 
 def test_prompt_longer_than_the_context(capsys, tmp_path):
     short = tiny_model_folder(tmp_path / "short", max_position_embeddings=32)
-    msg = one_line_error(["--model", str(short), "--prompt", PROMPT_40, "--ignore-chat-template"])
+    argv = ["--model", str(short), "--prompt", PROMPT_40, "--ignore-chat-template"]
+    msg = one_line_error(argv)
     assert (
         "40-token prompt" in msg and "32-token context" in msg and "--allow-beyond-context" in msg
     )
-    generate.main(
-        [
-            "--model",
-            str(short),
-            "--prompt",
-            PROMPT_40,
-            "--ignore-chat-template",
-            "--max-tokens",
-            "5",
-            "--allow-beyond-context",
-        ]
-    )
+    generate.main([*argv, "--max-tokens", "5", "--allow-beyond-context"])
     r = capsys.readouterr()
     assert "40-token prompt" in r.err and "32-token context" in r.err and generated(r.out) == 5
 
