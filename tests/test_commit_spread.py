@@ -33,6 +33,17 @@ def step(caches, t):
     ]
 
 
+def spread_and_alone(run, monkeypatch):
+    """run()'s caches with the commits spread over steps, then with each cache
+    quantizing its own tiles at once (no tile waits)."""
+    spread = run()
+    with monkeypatch.context() as m:
+        m.setattr(waiting_tiles, "take", lambda cache: None)
+        m.setattr(waiting_tiles, "due", lambda cache: True)
+        alone = run()
+    return spread, alone
+
+
 def test_the_commit_is_spread_over_steps(monkeypatch):
     n = 2 * waiting_tiles.PER_STEP + 3  # three steps' worth of caches
     calls = []
@@ -69,11 +80,7 @@ def test_spread_commits_store_what_caches_store_alone(monkeypatch):
             step(caches, t)
         return caches
 
-    spread = run()
-    with monkeypatch.context() as m:
-        m.setattr(waiting_tiles, "take", lambda cache: None)
-        m.setattr(waiting_tiles, "due", lambda cache: True)
-        alone = run()
+    spread, alone = spread_and_alone(run, monkeypatch)
     for a, b in zip(spread, alone):
         assert a.n_tiles == b.n_tiles == 4 and (a.offset, a.n_tail) == (b.offset, b.n_tail)
         for name, x, y in zip(ARRAYS, a.tiles.valid().arrays(), b.tiles.valid().arrays()):
@@ -111,11 +118,7 @@ def test_a_trim_while_a_tile_waits_keeps_the_bits(monkeypatch):
             step(caches, t)
         return caches
 
-    spread = run()
-    with monkeypatch.context() as m:
-        m.setattr(waiting_tiles, "take", lambda cache: None)
-        m.setattr(waiting_tiles, "due", lambda cache: True)
-        alone = run()
+    spread, alone = spread_and_alone(run, monkeypatch)
     for a, b in zip(spread, alone):
         assert a.n_tiles == b.n_tiles and (a.offset, a.n_tail) == (b.offset, b.n_tail)
     for a, b in zip(spread[:-1], alone[:-1]):
