@@ -1,30 +1,18 @@
 """benchmarks/ttft.py --quick end to end on a tiny model folder: every method at
 every context, in one run, with ratios against the plain cache of that run."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from benchmark_scripts import load_benchmark
 from model_folder import tiny_model_folder
-
-ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.e2e
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(
-        f"bench_{name}", ROOT / "benchmarks" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_ttft_quick(tmp_path):
-    ttft = _load("ttft")
+    ttft = load_benchmark("ttft")
     folder = tiny_model_folder(tmp_path / "model")
     out = tmp_path / "results"
     assert ttft.main(["--quick", "--model", str(folder), "--out", str(out)]) == 0
@@ -58,12 +46,12 @@ def test_ttft_quick(tmp_path):
 
 def test_ttft_rejects_unknown_method(tmp_path):
     with pytest.raises(SystemExit):
-        _load("ttft").main(["--quick", "--methods", "nope", "--out", str(tmp_path)])
+        load_benchmark("ttft").main(["--quick", "--methods", "nope", "--out", str(tmp_path)])
 
 
 def test_ttft_quick_separate_processes(tmp_path):
     # --separate: every method in a process of its own, each with its process peak.
-    ttft = _load("ttft")
+    ttft = load_benchmark("ttft")
     folder = tiny_model_folder(tmp_path / "model")
     out = tmp_path / "results"
     argv = [

@@ -1,30 +1,18 @@
 """benchmarks/decode_speed.py --quick end to end on a tiny model folder: every method
 at every context in one run, ratios against that run's plain cache, the tile share."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from benchmark_scripts import load_benchmark
 from model_folder import tiny_model_folder
-
-ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.e2e
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location(
-        "bench_decode_speed", ROOT / "benchmarks" / "decode_speed.py"
-    )
-    ds = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ds)
-    return ds
-
-
 def test_decode_speed_quick(tmp_path):
-    ds = _load()
+    ds = load_benchmark("decode_speed")
     folder = tiny_model_folder(tmp_path / "model")
     out = tmp_path / "results"
     ds.main(["--quick", "--model", str(folder), "--out", str(out)])
@@ -59,7 +47,7 @@ def test_decode_speed_quick(tmp_path):
 def test_decode_speed_quick_batch(tmp_path):
     # --rows: sequences of different lengths joined by mlx-lm's merge, decoding together;
     # tokens/s counts every row's token.
-    ds = _load()
+    ds = load_benchmark("decode_speed")
     folder = tiny_model_folder(tmp_path / "model")
     out = tmp_path / "results"
     argv = ["--quick", "--rows", "3", "--methods", "fp,k4v2_g128", "--model", str(folder)]

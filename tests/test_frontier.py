@@ -1,29 +1,17 @@
 """benchmarks/frontier.py end to end on a tiny model folder (a fidelity run, then
 the frontier from its json), and its frontier test on points with known answers."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from benchmark_scripts import load_benchmark
 from kvarn_mlx.eval.__main__ import main as eval_main
 from model_folder import tiny_model_folder
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _frontier():
-    spec = importlib.util.spec_from_file_location(
-        "bench_frontier", ROOT / "benchmarks" / "frontier.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_status_and_choices():
-    f = _frontier()
+    f = load_benchmark("frontier")
     pts = [
         {"method": m, "bytes_per_token": b, "kl_mean": kl}
         for m, b, kl in [
@@ -97,7 +85,7 @@ def test_frontier_end_to_end(tmp_path):
             "k2v2_g128",
         ]
     )
-    res = _frontier().main(
+    res = load_benchmark("frontier").main(
         [
             str(out / "fidelity_t.json"),
             str(out / "fidelity_p.json"),
@@ -154,12 +142,7 @@ def test_tail_frontier_end_to_end(tmp_path):
             *("--methods", "k2v2_g128+tail0,k2v2_g128+tail128,k2v2_g128+tail256"),
         ]
     )
-    spec = importlib.util.spec_from_file_location(
-        "bench_tail", ROOT / "benchmarks" / "tail_frontier.py"
-    )
-    tail = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tail)
-    res = tail.main(
+    res = load_benchmark("tail_frontier").main(
         [str(out / "fidelity_t.json"), "--name", "t", "--model", str(folder), "--out", str(out)]
         + ["--long", "1024"]
     )

@@ -5,14 +5,11 @@ layers, 3 kv heads of dim 64, float32; a small hidden size, the model never
 runs). At every step held <= the planner's figure at that step's context, and
 the planner's figure at the end is within 5% of the most held."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
+from benchmark_scripts import load_benchmark
 from kvarn_mlx import model_info, plan
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = dict(
     model_type="llama",
     hidden_size=192,
@@ -28,20 +25,11 @@ CONFIG = dict(
 )
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_plan_bound", ROOT / "benchmarks" / "plan_bound.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def setup():
     lazy = model_info.lazy_model(CONFIG, "float32")
     plans = {p.name: p for p in plan.cache_plans(CONFIG, "float32", model=lazy) if not p.error}
-    return _bench(), lazy, plans
+    return load_benchmark("plan_bound"), lazy, plans
 
 
 # 4096: the sink and 31 tiles; 6000: off a tile boundary; 8192: more tiles (slow).

@@ -2,29 +2,17 @@
 one decode step's graph, on the ops path and on the Metal path built without a
 device, plain cache against KVarN presets."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
+from benchmark_scripts import load_benchmark
 from model_folder import tiny_model_folder
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location(
-        "bench_step_graph", ROOT / "benchmarks" / "step_graph.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_primitives_counts_the_graph_down_to_evaluated_arrays():
-    sg = _load()
+    sg = load_benchmark("step_graph")
     a = mx.ones((4,))
     mx.eval(a)
     n, names = sg.primitives(mx.exp(a * 2) + a)
@@ -33,7 +21,7 @@ def test_primitives_counts_the_graph_down_to_evaluated_arrays():
 
 
 def test_metal_graph_stands_in_one_primitive_per_kernel_and_fast_op():
-    sg = _load()
+    sg = load_benchmark("step_graph")
     x, w = mx.ones((2, 64)), mx.ones((64,))
     mx.eval(x, w)
     ops = sg.primitives(mx.fast.rms_norm(x, w, 1e-5))[0]
@@ -60,7 +48,7 @@ def test_metal_graph_stands_in_one_primitive_per_kernel_and_fast_op():
 
 @pytest.mark.e2e
 def test_step_graph_quick(tmp_path):
-    sg = _load()
+    sg = load_benchmark("step_graph")
     folder = tiny_model_folder(tmp_path / "model")
     out = tmp_path / "results"
     sg.main(["--quick", "--model", str(folder), "--out", str(out)])
@@ -97,7 +85,7 @@ def test_step_graph_quick(tmp_path):
 @pytest.mark.e2e
 def test_step_graph_quick_batch(tmp_path):
     # --rows: sequences of different lengths joined by mlx-lm's merge, decoding together.
-    sg = _load()
+    sg = load_benchmark("step_graph")
     folder = tiny_model_folder(tmp_path / "model")
     out = tmp_path / "results"
     sg.main(
