@@ -8,29 +8,17 @@ import io
 import json
 import os
 import re
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 
 from apps.chat.engine import Engine
+from browser import chromium
 from kvarn_mlx.guard import Refused
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "tests" / "artifacts"
-BLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 MAX_TOKENS = int(
     os.environ.get("KVARN_APP_TEST_MAX_TOKENS", "12")
 )  # the server's default reply length
@@ -310,109 +298,85 @@ def test_bad_input_leaves_server_up(server):
 
 @pytest.mark.e2e
 def test_page_end_to_end(server):
-    if CHROMIUM is None:
-        pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="pip install playwright (no `playwright install`)"
-    )
-    ARTIFACTS.mkdir(exist_ok=True)
-    # OpenBLAS preloaded into node and chromium makes them crash (pthread_create: Invalid
-    # argument): start the driver and the browser without it (this process keeps the library it
-    # already loaded).
-    preload = os.environ.pop("LD_PRELOAD", None)
-    try:
-        with sync_api.sync_playwright() as p:
-            _drive_page(p, server)
-    finally:
-        if preload is not None:
-            os.environ["LD_PRELOAD"] = preload
+    with chromium() as browser:
+        ARTIFACTS.mkdir(exist_ok=True)
+        _drive_page(browser, server)
 
 
-def _drive_page(p, server):
+def _drive_page(browser, server):
     """Two chats through the page (the server's preset: k4v2_g128); checks streaming, the memory
     panel before and after the first tile, saving and resuming; saves a screenshot."""
     from kvarn_mlx import memory
     from kvarn_mlx.config import PRESETS
 
-    browser = p.chromium.launch(
-        executable_path=CHROMIUM,
-        args=CHROMIUM_ARGS,
-        timeout=60_000,
-        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
+    page = browser.new_page(viewport={"width": 1280, "height": 860})
+    page.set_default_timeout(150_000)
+    page.goto(server + "/")
+    page.wait_for_selector("body[data-ready='1']")
+    assert page.inner_text("#preset") == "k4v2_g128"
+    # A short first turn: no tile yet, and the panel says so instead of showing a ratio.
+    page.fill("#input", "Hi!")
+    page.click("#send")
+    page.wait_for_selector(".msg.assistant[data-idx='1'][data-done='1']")
+    page.wait_for_function("document.getElementById('ctx').textContent !== '0'")
+    start = memory.saving_starts_at(PRESETS["k4v2_g128"], 64, 4)
+    assert page.inner_text("#ratio") == "–"
+    assert (
+        "No tile quantized yet: every token is held in float32, as in mlx-lm's plain cache. "
+        "KVarN starts "
+        f"saving memory from token {start}." == page.inner_text("#saving")
     )
-    try:
-        page = browser.new_page(viewport={"width": 1280, "height": 860})
-        page.set_default_timeout(150_000)
-        page.goto(server + "/")
-        page.wait_for_selector("body[data-ready='1']")
-        assert page.inner_text("#preset") == "k4v2_g128"
-        # A short first turn: no tile yet, and the panel says so instead of showing a ratio.
-        page.fill("#input", "Hi!")
+    assert re.fullmatch(r"\d+ new, \d+ reused", page.inner_text("#reuse"))
+    # Saved and resumed: the same messages come back.
+    page.once("dialog", lambda d: d.accept("hello-chat"))
+    page.click("#save")
+    page.wait_for_function("document.getElementById('status').textContent.startsWith('saved to')")
+    first = page.inner_text("#messages")
+    page.click("#new")
+    page.wait_for_function("document.getElementById('ctx').textContent === '0'")
+    assert not page.query_selector_all(".msg")
+    page.select_option("#resume", "hello-chat")
+    page.wait_for_function(
+        "document.getElementById('status').textContent.startsWith('resumed hello-chat')"
+    )
+    assert page.inner_text("#messages") == first
+    page.click("#new")
+
+    def say(text, n):
+        page.fill("#input", text)
         page.click("#send")
-        page.wait_for_selector(".msg.assistant[data-idx='1'][data-done='1']")
-        page.wait_for_function("document.getElementById('ctx').textContent !== '0'")
-        start = memory.saving_starts_at(PRESETS["k4v2_g128"], 64, 4)
-        assert page.inner_text("#ratio") == "–"
-        assert (
-            "No tile quantized yet: every token is held in float32, as in mlx-lm's plain cache. "
-            "KVarN starts "
-            f"saving memory from token {start}." == page.inner_text("#saving")
-        )
-        assert re.fullmatch(r"\d+ new, \d+ reused", page.inner_text("#reuse"))
-        # Saved and resumed: the same messages come back.
-        page.once("dialog", lambda d: d.accept("hello-chat"))
-        page.click("#save")
+        reply = f".msg.assistant[data-idx='{2 * n - 1}']"
+        # Part of the reply is on screen while it is still streaming...
         page.wait_for_function(
-            "document.getElementById('status').textContent.startsWith('saved to')"
+            "() => { const e = document.querySelector('.msg.assistant.streaming .body'); "
+            "return e && e.textContent.trim().length > 0 }"
         )
-        first = page.inner_text("#messages")
-        page.click("#new")
-        page.wait_for_function("document.getElementById('ctx').textContent === '0'")
-        assert not page.query_selector_all(".msg")
-        page.select_option("#resume", "hello-chat")
-        page.wait_for_function(
-            "document.getElementById('status').textContent.startsWith('resumed hello-chat')"
-        )
-        assert page.inner_text("#messages") == first
-        page.click("#new")
+        page.wait_for_selector(reply + "[data-done='1']")
+        el = page.query_selector(reply)
+        assert int(el.get_attribute("data-chunks")) > 1  # ...and it came in several pieces
+        assert el.inner_text().strip()
+        # the figures after the reply (and any while it streamed) are on the chart, from 0
+        assert int(page.get_attribute("#chart", "data-points")) >= n + 1
+        return float(page.inner_text("#ratio").rstrip("×"))
 
-        def say(text, n):
-            page.fill("#input", text)
-            page.click("#send")
-            reply = f".msg.assistant[data-idx='{2 * n - 1}']"
-            # Part of the reply is on screen while it is still streaming...
-            page.wait_for_function(
-                "() => { const e = document.querySelector('.msg.assistant.streaming .body'); "
-                "return e && e.textContent.trim().length > 0 }"
-            )
-            page.wait_for_selector(reply + "[data-done='1']")
-            el = page.query_selector(reply)
-            assert int(el.get_attribute("data-chunks")) > 1  # ...and it came in several pieces
-            assert el.inner_text().strip()
-            # the figures after the reply (and any while it streamed) are on the chart, from 0
-            assert int(page.get_attribute("#chart", "data-points")) >= n + 1
-            return float(page.inner_text("#ratio").rstrip("×"))
-
-        # A long first message (~900 tokens): whole tiles get quantized, so the ratio is real.
-        ratio1 = say("Here is a text:\n\n" + long_text(700) + "\n\nWhat is this document about?", 1)
-        ratio2 = say("Thanks. What is the *assert* statement for?", 2)
-        assert ratio1 > 1 and ratio2 > 1, (ratio1, ratio2)
-        assert "per layer" in page.inner_text("#tiles") and not page.inner_text(
-            "#tiles"
-        ).startswith("0 ")
-        # The second turn reused the first from the server's prompt cache.
-        new, reused = map(
-            int, re.fullmatch(r"(\d+) new, (\d+) reused", page.inner_text("#reuse")).groups()
-        )
-        assert reused > 500 and new < 40, (new, reused)
-        assert len(page.query_selector_all("#chart polyline")) == 3
-        assert "(float32)" in page.inner_text("#plain-label") and page.inner_text(
-            "#ratio16"
-        ).endswith("×")
-        assert "prompt cache: " in page.inner_text("#server")
-        page.screenshot(path=str(ARTIFACTS / "chat.png"))
-    finally:
-        browser.close()
+    # A long first message (~900 tokens): whole tiles get quantized, so the ratio is real.
+    ratio1 = say("Here is a text:\n\n" + long_text(700) + "\n\nWhat is this document about?", 1)
+    ratio2 = say("Thanks. What is the *assert* statement for?", 2)
+    assert ratio1 > 1 and ratio2 > 1, (ratio1, ratio2)
+    assert "per layer" in page.inner_text("#tiles") and not page.inner_text("#tiles").startswith(
+        "0 "
+    )
+    # The second turn reused the first from the server's prompt cache.
+    new, reused = map(
+        int, re.fullmatch(r"(\d+) new, (\d+) reused", page.inner_text("#reuse")).groups()
+    )
+    assert reused > 500 and new < 40, (new, reused)
+    assert len(page.query_selector_all("#chart polyline")) == 3
+    assert "(float32)" in page.inner_text("#plain-label") and page.inner_text("#ratio16").endswith(
+        "×"
+    )
+    assert "prompt cache: " in page.inner_text("#server")
+    page.screenshot(path=str(ARTIFACTS / "chat.png"))
 
 
 def test_only_loopback_is_quiet():

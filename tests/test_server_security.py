@@ -5,7 +5,6 @@ network bind. In-process handler in front of a stub generator (no model):
 what these checks refuse never reaches it."""
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -14,20 +13,10 @@ from pathlib import Path
 import httpx  # noqa: E402  (chat_server skipped the module already if it is missing)
 import pytest
 
+from browser import chromium
 from chat_server import port_of, post, serve, user
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
 
@@ -265,30 +254,12 @@ def test_network_bind_warns():
 
 def chromium_page(test):
     """Run test(page, url) in headless Chromium against `url`; skips without chromium/playwright."""
-    if CHROMIUM is None:
-        pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="pip install playwright (no `playwright install`)"
-    )
 
     def run(url):
-        preload = os.environ.pop(
-            "LD_PRELOAD", None
-        )  # see tests/test_app.py: OpenBLAS breaks chromium
-        try:
-            with sync_api.sync_playwright() as p:
-                browser = p.chromium.launch(
-                    executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000
-                )
-                try:
-                    page = browser.new_page()
-                    page.set_default_timeout(150_000)
-                    test(page, url)
-                finally:
-                    browser.close()
-        finally:
-            if preload is not None:
-                os.environ["LD_PRELOAD"] = preload
+        with chromium() as browser:
+            page = browser.new_page()
+            page.set_default_timeout(150_000)
+            test(page, url)
 
     return run
 
