@@ -11,8 +11,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -25,6 +23,7 @@ httpx = pytest.importorskip("httpx")
 
 from apps.chat.server import ChatHandler  # noqa: E402
 from kvarn_mlx.server.stats import KVStats  # noqa: E402
+from server_process import free_port, running  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
@@ -90,12 +89,6 @@ def serve(save_dir, allowed_hosts=(), allowed_origins=(), api_key=None):
         thread.join(30)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def chat_app(save_dir, *flags):
     """python -m apps.chat on a free port (the embedded model unless flags name one); yields
@@ -105,45 +98,22 @@ def chat_app(save_dir, *flags):
     if os.path.exists(BLAS) and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = BLAS
     env.pop("KVARN_API_KEY", None)
-    log = open(Path(save_dir).parent / f"chat-{port}.log", "w+")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "apps.chat",
-            "--port",
-            str(port),
-            "--save-dir",
-            str(save_dir),
-            *flags,
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "apps.chat",
+        "--port",
+        str(port),
+        "--save-dir",
+        str(save_dir),
+        *flags,
+    ]
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"the chat app did not come up:\n{log.read()}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+    with (
+        open(Path(save_dir).parent / f"chat-{port}.log", "w+") as log,
+        running(cmd, url, log, "the chat app", env=env),
+    ):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
 
 
 def port_of(url):

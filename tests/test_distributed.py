@@ -10,13 +10,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
 from model_folder import tiny_model_folder
+from server_process import free_port, running
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = shutil.which("mlx.launch") or os.path.join(os.path.dirname(sys.executable), "mlx.launch")
@@ -106,21 +106,8 @@ def post(url, body):
 
 def serve_and_ask(command, port, log):
     """Start a server (a list of argv), ask one chat request, return (reply, kv stats)."""
-    # Its own process group: mlx.launch leaves its ranks running when it is stopped alone.
-    proc = subprocess.Popen(
-        command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            try:
-                if get(url + "/health")["status"] == "ok":
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.3)
+    with running(command, url, log, timeout=TIMEOUT, new_session=True):
         reply = post(
             url + "/v1/chat/completions",
             {
@@ -130,20 +117,6 @@ def serve_and_ask(command, port, log):
             },
         )
         return reply["choices"][0]["message"]["content"], get(url + "/v1/kv_stats")
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_server_on_two_ranks(model_dir, tmp_path):

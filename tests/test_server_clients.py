@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from model_folder import tiny_model_folder
-from test_server_mlx import TIMEOUT, free_port, get
+from server_process import free_port, running
+from test_server_mlx import TIMEOUT, get
 
 openai = pytest.importorskip("openai")
 
@@ -45,48 +46,24 @@ def served(tmp_path_factory):
     }
     env.pop("KVARN_API_KEY", None)
     log = tmp / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvarn_mlx.server",
-                "--model",
-                str(model),
-                "--port",
-                str(port),
-                "--kv-preset",
-                "k4v2_g64",
-                "--kv-sink",
-                "16",
-                "--max-tokens",
-                "16",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvarn_mlx.server",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--kv-preset",
+        "k4v2_g64",
+        "--kv-sink",
+        "16",
+        "--max-tokens",
+        "16",
+    ]
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            try:
-                if get(url + "/health")["status"] == "ok":
-                    break
-            except (OSError, ValueError):
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the server did not start:\n{log.read_text()}")
-            time.sleep(0.2)
+    with open(log, "w") as out, running(cmd, url, out, env=env):
         yield url, str(model), log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
     assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
 
 

@@ -10,7 +10,6 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import urllib.request
 import pytest
 
 from model_folder import tiny_model_folder
+from server_process import free_port, running
 
 openai = pytest.importorskip("openai")
 
@@ -35,17 +35,10 @@ def model_dir(tmp_path_factory):
     return tiny_model_folder(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def server(model_dir, *flags):
     """The server on a free port; yields (base URL, the log file's path)."""
     port = free_port()
-    log = open(os.path.join(str(model_dir.parent), f"server-{port}.log"), "w+")
     cmd = [
         sys.executable,
         "-m",
@@ -64,28 +57,9 @@ def server(model_dir, *flags):
         "16",
         *flags,
     ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            try:
-                if get(url + "/health")["status"] == "ok":
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"the server did not start:\n{log.read()}")
-            time.sleep(0.2)
+    with open(model_dir.parent / f"server-{port}.log", "w+") as log, running(cmd, url, log):
         yield url, log.name
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def get(url, headers=None):
