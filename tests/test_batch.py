@@ -562,25 +562,17 @@ def test_metal_kernel_decodes_all_rows_in_one_call(monkeypatch):
     model, tok = tiny_model("llama64"), tokenizer()
     # rows of 0 and 2 tiles, and sinks and tails of their own lengths
     prompts = [[t % 255 for t in tokens(n, seed=31 + i)] for i, n in enumerate([60, 150])]
-    make = lambda: make_cache(model, CFG)
-    monkeypatch.setattr(dispatch, "_backend", "ops")
-    want = batch_generate(
-        model,
-        tok,
-        prompts,
-        prompt_caches=[make() for _ in prompts],
-        max_tokens=12,
-        return_token_ids=True,
-    ).token_ids
-    with metal_attention(monkeypatch, mslemu) as calls:
-        got = batch_generate(
-            model,
-            tok,
-            prompts,
-            prompt_caches=[make() for _ in prompts],
-            max_tokens=12,
-            return_token_ids=True,
+
+    def generate():
+        caches = [make_cache(model, CFG) for _ in prompts]
+        return batch_generate(
+            model, tok, prompts, prompt_caches=caches, max_tokens=12, return_token_ids=True
         ).token_ids
+
+    monkeypatch.setattr(dispatch, "_backend", "ops")
+    want = generate()
+    with metal_attention(monkeypatch, mslemu) as calls:
+        got = generate()
     assert [len(g) for g in got] == [12, 12]
     assert set(calls) == {2} and len(calls) >= 2 * 11  # two layers, the decode steps
     assert got == want
