@@ -197,19 +197,23 @@ def test_the_guard(model_dir):
         assert status == 400
 
 
-def test_flags():
-    run = lambda *a: subprocess.run(
-        [sys.executable, "-m", "kvarn_mlx.server", *a],
+def run_server(*args):
+    """python -m kvarn_mlx.server with args, to its exit (flags it refuses, --help)."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvarn_mlx.server", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
     )
-    r = run("--kv-bits", "4")
+
+
+def test_flags():
+    r = run_server("--kv-bits", "4")
     assert r.returncode == 2 and "--kv-preset" in r.stderr
-    r = run("--kv-preset", "k3v3")
+    r = run_server("--kv-preset", "k3v3")
     assert r.returncode == 2 and "k4v2_g128" in r.stderr and "kXvY_gG_auto" in r.stderr
-    r = run("--help")
+    r = run_server("--help")
     assert r.returncode == 0 and "--kv-preset" in r.stdout and "--prompt-cache-bytes" in r.stdout
 
 

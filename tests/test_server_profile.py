@@ -2,15 +2,13 @@
 profile, shown by /v1/kv_stats; bad profile flags stop it before it loads."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 from mlx_lm import load
 
 from kvarn_mlx.integration import profile_mix
 from test_mix import synthetic
-from test_server_mlx import ROOT, TIMEOUT, client, get, model_dir, server  # noqa: F401 (model_dir: a fixture)
+from test_server_mlx import client, get, model_dir, run_server, server  # noqa: F401 (model_dir: a fixture)
 
 
 @pytest.mark.e2e
@@ -35,14 +33,7 @@ def test_served_caches_take_the_profile_widths(model_dir, tmp_path):
 
 @pytest.mark.e2e
 def test_bad_profile_flags_stop_the_server(tmp_path):
-    run = lambda *a: subprocess.run(
-        [sys.executable, "-m", "kvarn_mlx.server", *a],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    r = run("--kv-max-kl", "0.01")
+    r = run_server("--kv-max-kl", "0.01")
     assert r.returncode == 2 and "pass --kv-profile" in r.stderr
-    r = run("--kv-profile", str(tmp_path / "none.json"))
+    r = run_server("--kv-profile", str(tmp_path / "none.json"))
     assert r.returncode == 2 and "no profile file" in r.stderr
