@@ -164,32 +164,35 @@ def attention_unsupported(q, view: StepView):
 
 
 # A decode step asks every layer the same questions (can the kernel run, with which
-# plan); a layer's answers are kept beside its tile storage while what they depend on
-# is the same as at the last step: tile count, query shape and dtype, bits, and (by
-# identity, cheaper than a key) sink, tail buffer and rotation flags.
+# plan and fixed inputs); a layer's answers are kept, by its tile storage, while what
+# they depend on is the same as at the last step: tile count, query shape and dtype,
+# bits, and (by identity, cheaper than a key) sink, tail buffer and rotation flags.
 _UNKNOWN = object()
-_step_memos = weakref.WeakKeyDictionary()
+_step_memos = {}  # id(tile storage) -> _StepMemo (which checks it is that storage's)
 
 
 class _StepMemo:
-    __slots__ = ("n_tiles", "q", "bits", "sink", "recent", "rotate_k", "reason", "plans")
+    __slots__ = ("tiles", "n_tiles", "q", "bits", "sink", "recent", "rotate_k", "reason", "calls")
 
     def __init__(self, q, view, recent):
+        self.tiles = weakref.ref(view.tiles)
         self.n_tiles, self.q = view.n_tiles, (q.shape, q.dtype)
         self.bits = (view.k_bits, view.v_bits, view.rotate_v)
         self.sink, self.recent, self.rotate_k = view.sink_k, recent, view.rotate_k
-        self.reason, self.plans = _UNKNOWN, {}
+        self.reason, self.calls = _UNKNOWN, {}
 
 
 def _step_memo(q, view):
     """The layer's memo for this step (made anew when anything it depends on changed), or
     None for a view without tiles or whose recent tokens are not a cache's tail buffer."""
-    if view.tiles is None or view.recent_room is None:
+    tiles = view.tiles
+    if tiles is None or view.recent_room is None:
         return None
     recent = view.recent_room[0]
-    memo = _step_memos.get(view.tiles)
+    memo = _step_memos.get(id(tiles))
     if (
         memo is None
+        or memo.tiles() is not tiles
         or memo.n_tiles != view.n_tiles
         or memo.sink is not view.sink_k
         or memo.recent is not recent
@@ -197,7 +200,9 @@ def _step_memo(q, view):
         or memo.q != (q.shape, q.dtype)
         or memo.bits != (view.k_bits, view.v_bits, view.rotate_v)
     ):
-        memo = _step_memos[view.tiles] = _StepMemo(q, view, recent)
+        if len(_step_memos) > 4096:  # storages long gone
+            _step_memos.clear()
+        memo = _step_memos[id(tiles)] = _StepMemo(q, view, recent)
     return memo
 
 
@@ -267,34 +272,24 @@ def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None)
     where a batch's rows pad to the longest (batch_cache.py); None: all of them.
     A view whose recent tokens start a buffer (view.recent_room, a cache's tail)
     passes the whole buffer and its count: no strided slice for the kernel to copy."""
-    tiles, sk = view.tiles, view.sink_k
-    rk, rv = view.recent_k, view.recent_v
+    sk, rk = view.sink_k, view.recent_k
     S, Tn = sk.shape[2], rk.shape[2]
     kv_dtype = sk.dtype if S else (rk.dtype if Tn else mx.float16)
-    plan = _plan(q, view, kv_dtype, bool(causal))
-    if row_lens is None:
-        row_lens = _lengths(plan.head[0], S, Tn)
-        if view.recent_room is not None and view.recent_room[0].shape[2]:
-            rk, rv = view.recent_room
-            Tn = rk.shape[2]  # the buffer's width; row_lens holds the count
-    n_rows = row_lens.shape[0]
-    params = plan.params.get((Tn, n_rows))
-    if params is None:
-        params = plan.params[Tn, n_rows] = _evaluated(
-            mx.array([*plan.head, Tn, *plan.rest, n_rows], mx.int32)
-        )
-
-    def dense(x, n):
-        if n == 0:
-            return _placeholder(kv_dtype)  # never read; avoids zero-size buffers
-        return x.astype(kv_dtype)
-
+    own_lens = row_lens is None
+    memo = _step_memo(q, view) if own_lens else None
+    call = None if memo is None else memo.calls.get((kv_dtype, bool(causal)))
+    if call is None:
+        call = _Call(q, view, kv_dtype, bool(causal), own_lens, row_lens)
+        if memo is not None:
+            memo.calls[kv_dtype, bool(causal)] = call
+    if own_lens:
+        row_lens = _lengths(call.plan.head[0], S, Tn)
     qf = q.astype(mx.float32)
-    rot = view.rotate_k
-    if isinstance(rot, mx.array):  # per kv head
-        qr = mx.where(_query_flags(rot, q.shape), mx.hadamard_transform(qf), qf)
+    if call.flags is not None:  # per kv head
+        qr = mx.where(call.flags, mx.hadamard_transform(qf), qf)
     else:
-        qr = mx.hadamard_transform(qf) if rot else qf
+        qr = mx.hadamard_transform(qf) if view.rotate_k else qf
+    plan = call.plan
     k1 = _kernel(
         "kvarn_attention_split",
         _SPLIT_INPUTS,
@@ -302,18 +297,7 @@ def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None)
         "attention_split.metal",
     )
     o_part, m_part, l_part = k1(
-        inputs=[
-            qf,
-            qr,
-            dense(sk, S),
-            dense(view.sink_v, S),
-            *tiles.arrays(),
-            dense(rk, Tn),
-            dense(rv, Tn),
-            params,
-            row_lens,
-            _scalar(scale),
-        ],
+        inputs=[qf, qr, *call.fixed, *call.recent(), call.params, row_lens, _scalar(scale)],
         template=plan.split_template,
         grid=plan.split_grid,
         threadgroup=(_ATT_THREADS, 1, 1),
@@ -327,7 +311,7 @@ def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None)
         "attention_combine.metal",
     )
     (out,) = k2(
-        inputs=[o_part, m_part, l_part, params],
+        inputs=[o_part, m_part, l_part, call.params],
         template=plan.combine_template,
         grid=plan.combine_grid,
         threadgroup=plan.combine_threadgroup,
@@ -335,6 +319,45 @@ def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None)
         output_dtypes=[q.dtype],
     )
     return out
+
+
+class _Call:
+    """What a packed_attention_metal call takes besides the query, its row lengths and the
+    scale: the plan, the sink and tile inputs, the recent tokens (a view's whole tail
+    buffer when it has one, with its count in row_lens) and the params array."""
+
+    def __init__(self, q, view, kv_dtype, causal, own_lens, row_lens):
+        self.plan = plan = _plan(q, view, kv_dtype, causal)
+        S, Tn = view.sink_k.shape[2], view.recent_k.shape[2]
+        rk, rv = view.recent_k, view.recent_v
+        if own_lens and view.recent_room is not None and view.recent_room[0].shape[2]:
+            rk, rv = view.recent_room
+            Tn = rk.shape[2]  # the buffer's width; row_lens holds the count
+        n_rows = 1 if own_lens else row_lens.shape[0]
+        self.params = plan.params.get((Tn, n_rows))
+        if self.params is None:
+            self.params = plan.params[Tn, n_rows] = _evaluated(
+                mx.array([*plan.head, Tn, *plan.rest, n_rows], mx.int32)
+            )
+        self.kv_dtype, self.tail, self.n_tail = kv_dtype, (rk, rv), Tn
+        # The sink and the tile storage are never written in place (a write to the
+        # storage changes the tile count, a new sink is a new array): kept as they are.
+        self.fixed = (
+            self._dense(view.sink_k, S),
+            self._dense(view.sink_v, S),
+            *view.tiles.arrays(),
+        )
+        rot = view.rotate_k
+        self.flags = _query_flags(rot, q.shape) if isinstance(rot, mx.array) else None
+
+    def _dense(self, x, n):
+        if n == 0:
+            return _placeholder(self.kv_dtype)  # never read; avoids zero-size buffers
+        return x.astype(self.kv_dtype)
+
+    def recent(self):
+        """The recent tokens, cast now: the tail buffer is written in place at every step."""
+        return self._dense(self.tail[0], self.n_tail), self._dense(self.tail[1], self.n_tail)
 
 
 class _Plan:
@@ -381,16 +404,6 @@ _plans = {}
 
 
 def _plan(q, view, kv_dtype, causal):
-    memo = _step_memo(q, view)
-    if memo is None:
-        return _find_plan(q, view, kv_dtype, causal)
-    plan = memo.plans.get((kv_dtype, causal))
-    if plan is None:
-        plan = memo.plans[kv_dtype, causal] = _find_plan(q, view, kv_dtype, causal)
-    return plan
-
-
-def _find_plan(q, view, kv_dtype, causal):
     tiles = view.tiles
     key = (
         *q.shape,
