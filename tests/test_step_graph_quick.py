@@ -112,3 +112,16 @@ def test_step_graph_quick_batch(tmp_path):
     for r in data["rows"]:
         assert r["primitives"] > 0 and r["build_s"] > 0
     assert "Batched: 3 sequences" in (out / "step_graph.md").read_text()
+
+
+@pytest.mark.e2e
+def test_step_memo_runs_and_restores_the_memo(tmp_path, capsys):
+    from kvarn_mlx import kernels
+
+    memo = kernels._step_memo
+    sm = load_benchmark("step_memo")
+    folder = tiny_model_folder(tmp_path / "model")
+    sm.main(["--model", str(folder), "--context", "300", "--steps", "14"])
+    out = capsys.readouterr().out
+    assert "with the memo" in out and "x the plain cache's host build, without" in out
+    assert kernels._step_memo is memo
