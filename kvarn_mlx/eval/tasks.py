@@ -571,8 +571,10 @@ def plots(res, outdir):
             ]
         ).T
         b.errorbar(x[1:] + j * width, d[1:], yerr=derr[:, 1:], fmt="o", capsize=4, label=label)
-    for ax in (a, b):
-        ax.set_xticks(x + width * (len(prefixes) - 1) / 2, methods, fontsize=8)
+    a.set_xticks(x + width * (len(prefixes) - 1) / 2, methods, fontsize=8)
+    # fp is the reference: no difference of its own to plot
+    b.set_xticks(x[1:] + width * (len(prefixes) - 1) / 2, methods[1:], fontsize=8)
+    b.set_xlim(0.5, len(methods) - 0.5)
     a.set_ylabel("pass@1")
     a.set_ylim(0, 1)
     a.set_title(f"HumanEval pass@1 ({len(res['problems'])} problems), 95% Wilson", fontsize=9)
@@ -581,6 +583,7 @@ def plots(res, outdir):
     b.set_ylabel("pass@1 minus the plain cache's")
     b.set_title("paired difference to fp, exact 95% interval", fontsize=9)
     f = outdir / "tasks_humaneval.png"
+    fig.tight_layout()
     fig.savefig(f, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return [f]
