@@ -168,14 +168,17 @@ def attention_unsupported(q, view: StepView):
 # they depend on is the same as at the last step: tile count, query shape and dtype,
 # bits, and (by identity, cheaper than a key) sink, tail buffer and rotation flags.
 _UNKNOWN = object()
-_step_memos = {}  # id(tile storage) -> _StepMemo (which checks it is that storage's)
+# id(tile storage) -> _StepMemo; an entry leaves with its storage (it holds the tile
+# arrays, sink and tail buffer, which must not outlive the cache)
+_step_memos = {}
 
 
 class _StepMemo:
     __slots__ = ("tiles", "n_tiles", "q", "bits", "sink", "recent", "rotate_k", "reason", "calls")
 
     def __init__(self, q, view, recent):
-        self.tiles = weakref.ref(view.tiles)
+        key = id(view.tiles)
+        self.tiles = weakref.ref(view.tiles, lambda _: _step_memos.pop(key, None))
         self.n_tiles, self.q = view.n_tiles, (q.shape, q.dtype)
         self.bits = (view.k_bits, view.v_bits, view.rotate_v)
         self.sink, self.recent, self.rotate_k = view.sink_k, recent, view.rotate_k
@@ -200,8 +203,6 @@ def _step_memo(q, view):
         or memo.q != (q.shape, q.dtype)
         or memo.bits != (view.k_bits, view.v_bits, view.rotate_v)
     ):
-        if len(_step_memos) > 4096:  # storages long gone
-            _step_memos.clear()
         memo = _step_memos[id(tiles)] = _StepMemo(q, view, recent)
     return memo
 

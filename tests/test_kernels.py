@@ -615,6 +615,7 @@ def test_step_answers_follow_the_view():
     """A layer's decode-step answers (can the kernel run, with which plan) are kept while
     its view stays the same, and found anew when the tile count, query or tail buffer
     changes."""
+    import gc
     from dataclasses import replace
 
     rng = np.random.default_rng(3)
@@ -632,6 +633,12 @@ def test_step_answers_follow_the_view():
     other_dtype = replace(fewer, recent_room=tuple(x.astype(mx.int32) for x in fewer.recent_room))
     other_dtype = replace(other_dtype, recent_k=other_dtype.recent_room[0][:, :, :10])
     assert "sink/tail dtype" in kernels.attention_unsupported(q, other_dtype)
+    # The answers hold the tile arrays, sink and tail buffer: they leave with the storage.
+    key = id(view.tiles)
+    assert key in kernels._step_memos
+    del view, fewer, other_dtype
+    gc.collect()
+    assert key not in kernels._step_memos
 
 
 def test_unsupported_falls_back_once(caplog):
