@@ -23,7 +23,6 @@ import copy
 import weakref
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.base import create_causal_mask
 
 from . import attention, batch_tiles, dispatch, kernels
@@ -42,8 +41,8 @@ class BatchKVarNCache(BaseCache):
     """One KVarNCache per sequence, with mlx-lm's batch protocol on top."""
 
     def __init__(self, rows, left_padding=None):
-        self.rows = list(rows)
-        sizes = [r.offset for r in self.rows]
+        self._rows = list(rows)
+        sizes = [r.offset for r in self._rows]
         self._idx = max(sizes, default=0)
         # Row b's tokens sit in columns [left[b], _idx) of the batch layout.
         self._left = [self._idx - n for n in sizes]
@@ -53,11 +52,17 @@ class BatchKVarNCache(BaseCache):
         # per row, the query positions [s, e) of the last update that were its own
         self._spans = None
         self._v_dim = None
-        # the rows' tiles in one storage; _head: (tile state, rotation flags, the
+        # the rows' tiles in one storage; _head: (tile state, rotation flags, sinks, the
         # tiles dequantized), see _head_of
-        self._tiles, self._head = _share_tiles(self.rows), None
+        self._tiles, self._head = _share_tiles(self._rows), None
         self._flags = (None, None)  # the rows' key rotation flags -> their [B, H] array
         self._together = None  # a decode step's view of all rows, and its mask
+        # Decode steps: every row's recent tokens (its tail) in one buffer pair
+        # [B, H, W, D], row b's from column 0, its count its row's n_tail. A row
+        # whose step only appends leaves its own tail behind (_own[b]: the tokens it
+        # holds itself) until _sync writes the rest; see _decode.
+        self._recent = self._own = None
+        self._sinks = self._rot = self._tile_view = None  # kept between decode steps
         self._read = self._reads_packed = False  # attention read this / the last step
 
     @classmethod
@@ -68,6 +73,12 @@ class BatchKVarNCache(BaseCache):
             if not isinstance(c, KVarNCache):
                 raise TypeError(f"BatchKVarNCache.merge takes KVarNCaches, got {type(c).__name__}")
         return cls([_detached(c) for c in caches])
+
+    @property
+    def rows(self):
+        """The sequences' single caches, each holding all its tokens."""
+        self._sync()
+        return self._rows
 
     # -- the batch layout -------------------------------------------------------
 
@@ -84,7 +95,7 @@ class BatchKVarNCache(BaseCache):
         return self._idx
 
     def empty(self):
-        return all(r.empty() for r in self.rows)
+        return all(r.empty() for r in self._rows)
 
     def is_trimmable(self):
         return True
@@ -123,19 +134,25 @@ class BatchKVarNCache(BaseCache):
         of the whole batch layout [B, H, _idx, D], dequantized lazily (zeros in
         padding) for code that bypasses the patched attention entry point."""
         B, H, L, _ = keys.shape
-        if B != len(self.rows):
+        if B != len(self._rows):
             raise ValueError(
-                f"this BatchKVarNCache holds {len(self.rows)} sequences; got keys of batch {B}"
+                f"this BatchKVarNCache holds {len(self._rows)} sequences; got keys of batch {B}"
             )
         self._reads_packed, self._read = self._read, False
         self._v_dim = values.shape[-1]
-        if L == 1 and self._limit is None and self._tiles is not None:
+        if (
+            L == 1
+            and self._limit is None
+            and self._tiles is not None
+            and (self._recent is not None or not any(r.empty() for r in self._rows))
+        ):
             return self._decode(keys, values)
+        self._close_recent()
         self._together = None
         prev = self._idx
         self._idx += L
         self._spans, fetched = [], []
-        for b, row in enumerate(self.rows):
+        for b, row in enumerate(self._rows):
             end = self._idx if self._limit is None else min(self._idx, self._limit[b])
             s, e = max(prev, self._left[b]) - prev, max(end, prev) - prev
             e = max(s, e)
@@ -156,73 +173,165 @@ class BatchKVarNCache(BaseCache):
         return k, v
 
     def _decode(self, keys, values):
-        """One token for every row: each row's cache takes its own, and the step's
-        view of all rows at once is built here, for attention and for the arrays
-        returned (the batch layout, gathered from that view)."""
+        """One token for every row, written into the recent buffer of all rows at once.
+        Most steps only append to a row's tail: that row just counts the token (its own
+        tail catches up at _sync). A row whose step does more (its sink filling, a tile
+        leaving its tail or waiting for its commit, the "auto" key choice) runs its own
+        update, and the buffer takes its tail afterwards. The step's view of all rows
+        is built from the buffer, for attention and for the arrays returned (the batch
+        layout, gathered from that view)."""
         self._idx += 1
-        self._spans = [(0, 1)] * len(self.rows)
-        B = len(self.rows)
-        ks, vs = (mx.split(x, B) if B > 1 else [x] for x in (keys, values))
-        steps = [r.update(k, v) for r, k, v in zip(self.rows, ks, vs)]
+        rows, B = self._rows, len(self._rows)
+        self._spans = [(0, 1)] * B
+        c = rows[0].config
+        G, S, full = c.group_size, c.sink_size, c.group_size + c.tail_tokens
+        if self._recent is None:
+            self._open_recent()
+        rk, rv = self._recent
+        pos = tuple(r.n_tail for r in rows)
+        if max(pos) >= rk.shape[2]:
+            pad = [(0, 0), (0, 0), (0, ROOM), (0, 0)]
+            rk, rv = mx.pad(rk, pad), mx.pad(rv, pad)
+        at = _positions(pos)
+        rk = mx.put_along_axis(rk, at, _as(keys, rk.dtype), axis=2)
+        rv = mx.put_along_axis(rv, at, _as(values, rv.dtype), axis=2)
+        slow = []
+        for b, r in enumerate(rows):
+            if (
+                r.n_tail + 1 < full
+                and r.n_sink == S
+                and r.commit_in is None
+                and r.key_candidates is None
+                and not r.room_tile
+            ):
+                r.offset += 1
+                r.n_tail += 1
+                if r.n_tail > r.tail_k.shape[2]:  # its bytes stay those of a single cache
+                    r._grow_tail(r.n_tail)
+            else:
+                slow.append(b)
+        steps = []
+        if slow:
+            self._recent = (rk, rv)
+            self._sync(slow)
+            for b in slow:
+                r = rows[b]
+                steps.append(r.update(keys[b : b + 1], values[b : b + 1]))
+                n = self._own[b] = r.n_tail
+                if n:
+                    rk[b : b + 1, :, :n] = r.tail_k[:, :, :n].astype(rk.dtype)
+                    rv[b : b + 1, :, :n] = r.tail_v[:, :, :n].astype(rv.dtype)
+            self._rot = None
+            if self._sinks and any(rows[b].sink_k is not self._sinks[0][b] for b in slow):
+                self._sinks = None
+        self._recent = (rk, rv)
+        if any(rows[b].key_candidates is not None for b in slow):
+            self._sync()  # attention runs row by row (attention()), on the rows' own tails
+        if self._sinks is None:  # (the rows' sinks, as one [B, H, S, D] pair)
+            S_max = max(r.n_sink for r in rows)
+            self._sinks = (
+                [r.sink_k for r in rows],
+                _padded([r.sink_k for r in rows], S_max),
+                _padded([r.sink_v for r in rows], S_max),
+            )
+        if self._rot is None:
+            self._rot = self._rotate_k([r.rotate_k for r in rows], rows[0].sink_k.shape[1])
         counts = (
-            tuple(v.sink_k.shape[2] for v in steps),
-            tuple(v.n_tiles for v in steps),
-            tuple(v.recent_k.shape[2] for v in steps),
+            tuple(r.n_sink for r in rows),
+            tuple(r.n_tiles for r in rows),
+            tuple(r.n_tail for r in rows),
         )
-        n, G = max(counts[1]), self.rows[0].config.group_size
-        # recent tokens padded to whole ROOM tokens: the shapes of the step (and of
-        # a compiled attention's trace) change once per ROOM steps and per tile
-        S, R = max(counts[0]), -(-max(counts[2]) // ROOM) * ROOM
-        v0 = steps[0]
+        n, W = max(counts[1]), rk.shape[2]
         view = StepView(
-            _padded([v.sink_k for v in steps], S),
-            _padded([v.sink_v for v in steps], S),
-            TileStorage(*self._tiles.storage.arrays(), count=n) if n else None,
+            *self._sinks[1:],
+            self._tiles_up_to(n),
             n,
-            _padded([v.recent_k for v in steps], R),
-            _padded([v.recent_v for v in steps], R),
-            v0.k_bits,
-            v0.v_bits,
-            self._rotate_k([v.rotate_k for v in steps], v0.sink_k.shape[1]),
-            v0.rotate_v,
+            rk,
+            rv,
+            c.k_bits,
+            c.v_bits,
+            self._rot,
+            rows[0].rotate_v,
         )
-        self._together = (view, counts, R)
+        self._together = (view, counts, W, [rows[b] for b in slow])
         head = self._head_of(view, keys.dtype)
-        index = _layout_index(tuple(self._left), counts, G, R)
+        index = _layout_index(tuple(self._left), counts, G, W)
+        zero = _zeros((*keys.shape[:2], 1, keys.shape[3]), keys.dtype)
         k, v = (
             mx.take_along_axis(
-                mx.concatenate(
-                    [x.astype(keys.dtype) for x in (sink, *h, recent)]
-                    + [mx.zeros((*keys.shape[:2], 1, keys.shape[3]), keys.dtype)],
-                    axis=2,
-                ),
-                index,
-                axis=2,
+                mx.concatenate([h, _as(recent, keys.dtype), zero], axis=2), index, axis=2
             )
-            for sink, h, recent in (
-                (view.sink_k, head[:1], view.recent_k),
-                (view.sink_v, head[1:], view.recent_v),
-            )
+            for h, recent in zip(head, (rk, rv))
         )
-        # The rows' steps (their new tokens in full precision) live as long as these.
-        weakref.finalize(k, _keep_alive, steps)
+        if steps:  # the updated rows' steps live as long as these
+            weakref.finalize(k, _keep_alive, steps)
         return k, v
 
-    def _head_of(self, view, dtype):
-        """The view's tiles dequantized, [B, H, n*G, D] each for keys and values (none
-        without tiles), lazily. While attention reads the tiles (it read the last
-        step), kept unevaluated until a tile is written: a step then adds a gather, not
-        a dequantization it never evaluates (as KVarNCache._head)."""
-        if not view.n_tiles:
-            return ()
-        key = (self._tiles.version, view.n_tiles, dtype)
-        if self._head is not None and self._head[0] == key and self._head[1] is view.rotate_k:
-            return self._head[2]
-        k, v = view.tiles.dequantize(
-            view.k_bits, view.v_bits, view.rotate_k, view.rotate_v, view.n_tiles
+    def _open_recent(self):
+        """The recent buffer from the rows' own tails (all of them up to date)."""
+        rows = self._rows
+        W = -(-(max(r.n_tail for r in rows) + 1) // ROOM) * ROOM
+        self._recent = tuple(
+            _padded([x[:, :, : r.n_tail] for r, x in zip(rows, xs)], W)
+            for xs in ([r.tail_k for r in rows], [r.tail_v for r in rows])
         )
-        head = (k.astype(dtype), v.astype(dtype))
-        self._head = (key, view.rotate_k, head) if self._reads_packed else None
+        self._own = [r.n_tail for r in rows]
+        self._sinks = self._rot = None
+
+    def _sync(self, which=None):
+        """Rows (all, or those indexed) take the tokens the recent buffer holds beyond
+        their own tails: each then holds what its single cache would."""
+        if self._recent is None:
+            return
+        rk, rv = self._recent
+        for b in range(len(self._rows)) if which is None else which:
+            r, own = self._rows[b], self._own[b]
+            n = r.n_tail
+            if n > own:
+                r.tail_k[:, :, own:n] = rk[b : b + 1, :, own:n].astype(r.tail_k.dtype)
+                r.tail_v[:, :, own:n] = rv[b : b + 1, :, own:n].astype(r.tail_v.dtype)
+                r._step, r._fetched, r._unread = None, None, False
+            self._own[b] = n
+
+    def _close_recent(self):
+        """Back to the rows' own tails (before anything but a decode step)."""
+        self._sync()
+        self._recent = self._own = None
+        self._sinks = self._rot = self._tile_view = None
+
+    def _tiles_up_to(self, n):
+        """The shared storage with count n, one object while it and n stay (attention's
+        per-storage memos, kernels._step_memo, keep their answers as long)."""
+        if not n:
+            return None
+        key = (self._tiles.version, n)
+        if self._tile_view is None or self._tile_view[0] != key:
+            self._tile_view = (key, TileStorage(*self._tiles.storage.arrays(), count=n))
+        return self._tile_view[1]
+
+    def _head_of(self, view, dtype):
+        """The view's sink and dequantized tiles side by side, [B, H, S + n*G, D] each for
+        keys and values, lazily. While attention reads the tiles (it read the last
+        step), kept unevaluated until a tile or sink is written: a step then adds a
+        gather, not a dequantization it never evaluates (as KVarNCache._head)."""
+        key = (self._tiles.version, view.n_tiles, dtype)
+        held = self._head
+        if (
+            held is not None
+            and held[0] == key
+            and held[1] is view.rotate_k
+            and held[2] is view.sink_k
+        ):
+            return held[3]
+        sink = (_as(view.sink_k, dtype), _as(view.sink_v, dtype))
+        if view.n_tiles:
+            k, v = view.tiles.dequantize(
+                view.k_bits, view.v_bits, view.rotate_k, view.rotate_v, view.n_tiles
+            )
+            head = tuple(mx.concatenate([s, x.astype(dtype)], axis=2) for s, x in zip(sink, (k, v)))
+        else:
+            head = sink
+        self._head = (key, view.rotate_k, view.sink_k, head) if self._reads_packed else None
         return head
 
     def _in_layout(self, b, fetched, i, like):
@@ -235,11 +344,12 @@ class BatchKVarNCache(BaseCache):
         return mx.pad(x, [(0, 0), (0, 0), (lp, self._idx - lp - x.shape[2]), (0, 0)])
 
     def trim(self, n):
+        self._close_recent()
         n = max(0, min(self._idx, n))
-        for row in self.rows:
+        for row in self._rows:
             row.trim(n)
         self._idx -= n
-        self._left = [self._idx - r.offset for r in self.rows]
+        self._left = [self._idx - r.offset for r in self._rows]
         self._spans = self._together = None
         return n
 
@@ -258,12 +368,13 @@ class BatchKVarNCache(BaseCache):
             causal
             and L == 1
             and self._together is not None
-            and all(r.key_candidates is None for r in self.rows)
+            and all(r.key_candidates is None for r in self._rows)
         ):
             return self._attend_together(queries, scale, sinks)
+        self._rot = None  # a row's attention may choose its "auto" key rotation
         zeros = mx.zeros((1, Hq, L, self._v_dim), queries.dtype)
         out = []
-        for b, (row, (s, e)) in enumerate(zip(self.rows, self._spans)):
+        for b, (row, (s, e)) in enumerate(zip(self._rows, self._spans)):
             if e == s:
                 out.append(zeros)
                 continue
@@ -280,9 +391,9 @@ class BatchKVarNCache(BaseCache):
         tiles of a row), each row's sink and recent tokens padded to the longest,
         and a mask of each row's own columns (the view _decode built); on Metal the
         attention kernel, given each row's lengths."""
-        for r in self.rows:
+        view, counts, R, updated = self._together
+        for r in updated:
             r.step_view()  # read: the rows' caches know the model attends on their tiles
-        view, counts, R = self._together
         out = None
         if view.tiles is not None and sinks is None and dispatch.use_metal():
             reason = kernels.attention_unsupported(queries, view)
@@ -291,15 +402,13 @@ class BatchKVarNCache(BaseCache):
             else:
                 dispatch.fallback("attention", reason)
         if out is None:
-            mask = _own_columns(counts, self.rows[0].config.group_size, R)
+            mask = _own_columns(counts, self._rows[0].config.group_size, R)
             if attention.COMPILE and sinks is None:
                 out = _attend_compiled(queries, view, scale, mask)
             else:
                 out = attention.attend(queries, view, scale, mask, sinks)
-        if any(r.n_tiles > view.n_tiles for r in self.rows):
-            # as attention.packed_attention: tiles quantized in this step are
-            # written when the step's output is evaluated
-            out = mx.depends(out, list(self._tiles.storage.arrays()))
+        # (a tile a row quantized at this step is in the view: reading the storage
+        # makes the output depend on its write)
         return out
 
     def _rotate_k(self, flags, H):
@@ -321,19 +430,20 @@ class BatchKVarNCache(BaseCache):
         lp = self._left[b]
         mask = mask[b : b + 1] if mask.shape[0] > 1 else mask
         mask = mask[..., s:e, :] if mask.shape[-2] > 1 else mask
-        return mask[..., lp : lp + self.rows[b].offset]
+        return mask[..., lp : lp + self._rows[b].offset]
 
     # -- moving sequences ---------------------------------------------------------
 
     def filter(self, batch_indices):
         """Keep the given rows (in that order), then drop the left padding they all share."""
         idx = _ints(batch_indices)
-        self.rows = [self.rows[i] for i in idx]
+        self._close_recent()
+        self._rows = [self._rows[i] for i in idx]
         self._left = [self._left[i] for i in idx]
         if self._limit is not None:
             self._limit = [self._limit[i] for i in idx]
         self._spans = self._together = None
-        self._tiles, self._head = _share_tiles(self.rows), None
+        self._tiles, self._head = _share_tiles(self._rows), None
         shift = min(self._left, default=0)
         if shift > 0:
             self._left = [lp - shift for lp in self._left]
@@ -347,6 +457,8 @@ class BatchKVarNCache(BaseCache):
             raise ValueError(
                 "cannot join a batch in the middle of a right-padded prompt with one that is not"
             )
+        self._close_recent()
+        other._close_recent()
         idx = max(self._idx, other._idx)
         left = [lp + idx - self._idx for lp in self._left] + [
             lp + idx - other._idx for lp in other._left
@@ -355,21 +467,24 @@ class BatchKVarNCache(BaseCache):
             self._limit = [end + idx - self._idx for end in self._limit] + [
                 end + idx - other._idx for end in other._limit
             ]
-        self.rows = self.rows + other.rows
+        self._rows = self._rows + other._rows
         self._left, self._idx = left, idx
         self._spans = self._together = None
-        self._tiles, self._head = _share_tiles(self.rows), None
+        self._tiles, self._head = _share_tiles(self._rows), None
         self._v_dim = self._v_dim or other._v_dim
 
     def extract(self, idx):
         """Sequence idx as its own KVarNCache (a copy: the batch goes on without it)."""
-        return _detached(self.rows[idx])
+        self._sync([idx])
+        return _detached(self._rows[idx])
 
     # -- bytes and state ----------------------------------------------------------
 
     @property
     def nbytes(self):
-        return sum(r.nbytes for r in self.rows)
+        """The rows' bytes (each as its single cache holds them) and the recent buffer."""
+        held = sum(r.nbytes for r in self._rows)
+        return held + (0 if self._recent is None else sum(x.nbytes for x in self._recent))
 
     @property
     def state(self):
@@ -389,7 +504,7 @@ class BatchKVarNCache(BaseCache):
         self.__init__(rows)
         self._left = [int(x) for x in _ints(s["left_padding"])]
         self._idx = int(s["idx"])
-        if any(self._idx - lp != r.offset for lp, r in zip(self._left, self.rows)):
+        if any(self._idx - lp != r.offset for lp, r in zip(self._left, self._rows)):
             raise ValueError("corrupt BatchKVarNCache state: padding and row token counts disagree")
 
 
@@ -460,20 +575,23 @@ _masks = {}
 
 def _own_columns(counts, G, R):
     """[B, 1, 1, columns] True at each row's own sink, tile and recent columns of a
-    decode step's view (its recent tokens padded to R)."""
+    decode step's view (its recent tokens padded to R). Built by MLX ops from the
+    rows' counts (no host array of the mask's size at each step)."""
     key = (counts, G, R)
     if key not in _masks:
         if len(_masks) > 64:
             _masks.clear()
-        sinks_n, tiles_n, recent_n = counts
-        S, n = max(sinks_n), max(tiles_n)
-        own = np.zeros((len(sinks_n), S + n * G + R), bool)
-        for b, (s, t, r) in enumerate(zip(sinks_n, tiles_n, recent_n)):
-            own[b, :s] = True
-            own[b, S : S + t * G] = True
-            own[b, S + n * G : S + n * G + r] = True
-        _masks[key] = mx.array(own[:, None, None, :])
+        S, n = max(counts[0]), max(counts[1])
+        s, t, r = (x.reshape(-1, 1, 1, 1) for x in _per_row(*counts))
+        c = mx.arange(S + n * G + R)
+        own = (c < s) | ((c >= S) & (c < S + t * G)) | ((c >= S + n * G) & (c < S + n * G + r))
+        _masks[key] = own
     return _masks[key]
+
+
+def _per_row(*counts):
+    """The rows' counts as int32 arrays [B] each (one small array per step)."""
+    return mx.split(mx.array(list(zip(*counts)), mx.int32), len(counts), axis=1)
 
 
 _lens = {}
@@ -498,22 +616,55 @@ _layouts = {}
 def _layout_index(left, counts, G, R):
     """[B, 1, columns, 1] int32: where each column of the batch layout (row b's
     tokens from column left[b] on, zeros before) is in a decode step's view (its
-    recent tokens padded to R, then one zero column)."""
+    recent tokens padded to R, then one zero column). Built by MLX ops, as
+    _own_columns."""
     key = (left, counts, G, R)
     if key not in _layouts:
         if len(_layouts) > 64:
             _layouts.clear()
         sinks_n, tiles_n, recent_n = counts
         S, n = max(sinks_n), max(tiles_n)
-        zero = S + n * G + R
         width = left[0] + sinks_n[0] + tiles_n[0] * G + recent_n[0]
-        index = np.full((len(left), width), zero, np.int32)
-        for b, (lp, s, t, r) in enumerate(zip(left, *counts)):
-            index[b, lp:width] = np.concatenate(
-                [np.arange(s), S + np.arange(t * G), S + n * G + np.arange(r)]
-            )
-        _layouts[key] = mx.array(index[:, None, :, None])
+        lp, s, t = (x.reshape(-1, 1) for x in _per_row(left, sinks_n, tiles_n))
+        j = mx.arange(width)[None] - lp  # the column's token in the row, < 0 in padding
+        index = mx.where(
+            j < 0,
+            S + n * G + R,
+            mx.where(j < s, j, mx.where(j < s + t * G, S + j - s, S + n * G + j - s - t * G)),
+        )
+        _layouts[key] = index[:, None, :, None].astype(mx.int32)
     return _layouts[key]
+
+
+_at = {}
+
+
+def _positions(pos):
+    """[B, 1, 1, 1] int32: the column of each row's new token in the recent buffer, made
+    once per step (the layers share it)."""
+    if pos not in _at:
+        if len(_at) > 64:
+            _at.clear()
+        _at[pos] = mx.array(pos, mx.int32).reshape(-1, 1, 1, 1)
+    return _at[pos]
+
+
+_zero_columns = {}
+
+
+def _zeros(shape, dtype):
+    """An evaluated zero array of that shape, made once (a decode step's padding column)."""
+    key = (shape, dtype)
+    if key not in _zero_columns:
+        if len(_zero_columns) > 64:
+            _zero_columns.clear()
+        _zero_columns[key] = mx.zeros(shape, dtype)
+        mx.eval(_zero_columns[key])
+    return _zero_columns[key]
+
+
+def _as(x, dtype):
+    return x if x.dtype == dtype else x.astype(dtype)
 
 
 def _padded(xs, n):

@@ -166,44 +166,55 @@ def attention_unsupported(q, view: StepView):
 # A decode step asks every layer the same questions (can the kernel run, with which
 # plan and fixed inputs); a layer's answers are kept, by its tile storage, while what
 # they depend on is the same as at the last step: tile count, query shape and dtype,
-# bits, and (by identity, cheaper than a key) sink, tail buffer and rotation flags.
+# bits, the width and dtype of the recent tokens' buffer, and (by identity, cheaper than a key)
+# sink and rotation flags.
 _UNKNOWN = object()
 # id(tile storage) -> _StepMemo; an entry leaves with its storage (it holds the tile
-# arrays, sink and tail buffer, which must not outlive the cache)
+# arrays and the sink, which must not outlive the cache)
 _step_memos = {}
 
 
 class _StepMemo:
-    __slots__ = ("tiles", "n_tiles", "q", "bits", "sink", "recent", "rotate_k", "reason", "calls")
+    __slots__ = ("tiles", "n_tiles", "q", "bits", "sink", "width", "rotate_k", "reason", "calls")
 
-    def __init__(self, q, view, recent):
+    def __init__(self, q, view, width):
         key = id(view.tiles)
         self.tiles = weakref.ref(view.tiles, lambda _: _step_memos.pop(key, None))
         self.n_tiles, self.q = view.n_tiles, (q.shape, q.dtype)
         self.bits = (view.k_bits, view.v_bits, view.rotate_v)
-        self.sink, self.recent, self.rotate_k = view.sink_k, recent, view.rotate_k
+        self.sink, self.width, self.rotate_k = view.sink_k, width, view.rotate_k
         self.reason, self.calls = _UNKNOWN, {}
+
+
+def _recent_buffers(view):
+    """What the kernel reads as the recent tokens: a view's whole tail buffer when it
+    has one (its count goes in row_lens), else its recent tokens."""
+    room = view.recent_room
+    if room is not None and room[0].shape[2]:
+        return room
+    return view.recent_k, view.recent_v
 
 
 def _step_memo(q, view):
     """The layer's memo for this step (made anew when anything it depends on changed), or
-    None for a view without tiles or whose recent tokens are not a cache's tail buffer."""
+    None for a view without tiles."""
     tiles = view.tiles
-    if tiles is None or view.recent_room is None:
+    if tiles is None:
         return None
-    recent = view.recent_room[0]
+    recent = _recent_buffers(view)[0]
+    width = (recent.shape[2], recent.dtype)
     memo = _step_memos.get(id(tiles))
     if (
         memo is None
         or memo.tiles() is not tiles
         or memo.n_tiles != view.n_tiles
         or memo.sink is not view.sink_k
-        or memo.recent is not recent
+        or memo.width != width
         or memo.rotate_k is not view.rotate_k
         or memo.q != (q.shape, q.dtype)
         or memo.bits != (view.k_bits, view.v_bits, view.rotate_v)
     ):
-        memo = _step_memos[id(tiles)] = _StepMemo(q, view, recent)
+        memo = _step_memos[id(tiles)] = _StepMemo(q, view, width)
     return memo
 
 
@@ -277,12 +288,13 @@ def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None)
     S, Tn = sk.shape[2], rk.shape[2]
     kv_dtype = sk.dtype if S else (rk.dtype if Tn else mx.float16)
     own_lens = row_lens is None
-    memo = _step_memo(q, view) if own_lens else None
-    call = None if memo is None else memo.calls.get((kv_dtype, bool(causal)))
+    memo = _step_memo(q, view)
+    key = (kv_dtype, bool(causal), own_lens)
+    call = None if memo is None else memo.calls.get(key)
     if call is None:
         call = _Call(q, view, kv_dtype, bool(causal), own_lens, row_lens)
         if memo is not None:
-            memo.calls[kv_dtype, bool(causal)] = call
+            memo.calls[key] = call
     if own_lens:
         row_lens = _lengths(call.plan.head[0], S, Tn)
     qf = q.astype(mx.float32)
@@ -298,7 +310,7 @@ def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None)
         "attention_split.metal",
     )
     o_part, m_part, l_part = k1(
-        inputs=[qf, qr, *call.fixed, *call.recent(), call.params, row_lens, _scalar(scale)],
+        inputs=[qf, qr, *call.fixed, *call.recent(view), call.params, row_lens, _scalar(scale)],
         template=plan.split_template,
         grid=plan.split_grid,
         threadgroup=(_ATT_THREADS, 1, 1),
@@ -323,24 +335,24 @@ def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None)
 
 
 class _Call:
-    """What a packed_attention_metal call takes besides the query, its row lengths and the
-    scale: the plan, the sink and tile inputs, the recent tokens (a view's whole tail
-    buffer when it has one, with its count in row_lens) and the params array."""
+    """What a packed_attention_metal call takes besides the query, its row lengths, the
+    scale and the recent tokens (read from the view at each call: a tail buffer is
+    written in place at every step): the plan, the sink and tile inputs and the
+    params array."""
 
     def __init__(self, q, view, kv_dtype, causal, own_lens, row_lens):
         self.plan = plan = _plan(q, view, kv_dtype, causal)
-        S, Tn = view.sink_k.shape[2], view.recent_k.shape[2]
-        rk, rv = view.recent_k, view.recent_v
-        if own_lens and view.recent_room is not None and view.recent_room[0].shape[2]:
-            rk, rv = view.recent_room
-            Tn = rk.shape[2]  # the buffer's width; row_lens holds the count
+        S = view.sink_k.shape[2]
+        # A single cache's whole tail buffer, its count in row_lens; a batch's recent
+        # tokens as the view holds them, each row's count in row_lens.
+        Tn = _recent_buffers(view)[0].shape[2] if own_lens else view.recent_k.shape[2]
         n_rows = 1 if own_lens else row_lens.shape[0]
         self.params = plan.params.get((Tn, n_rows))
         if self.params is None:
             self.params = plan.params[Tn, n_rows] = _evaluated(
                 mx.array([*plan.head, Tn, *plan.rest, n_rows], mx.int32)
             )
-        self.kv_dtype, self.tail, self.n_tail = kv_dtype, (rk, rv), Tn
+        self.kv_dtype, self.own_lens, self.n_tail = kv_dtype, own_lens, Tn
         # The sink and the tile storage are never written in place (a write to the
         # storage changes the tile count, a new sink is a new array): kept as they are.
         self.fixed = (
@@ -356,9 +368,9 @@ class _Call:
             return _placeholder(self.kv_dtype)  # never read; avoids zero-size buffers
         return x.astype(self.kv_dtype)
 
-    def recent(self):
-        """The recent tokens, cast now: the tail buffer is written in place at every step."""
-        return self._dense(self.tail[0], self.n_tail), self._dense(self.tail[1], self.n_tail)
+    def recent(self, view):
+        rk, rv = _recent_buffers(view) if self.own_lens else (view.recent_k, view.recent_v)
+        return self._dense(rk, self.n_tail), self._dense(rv, self.n_tail)
 
 
 class _Plan:

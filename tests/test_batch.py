@@ -100,7 +100,7 @@ class Run:
 
     def decode(self, n=1):
         for _ in range(n):
-            self.step([(0, 1)] * len(self.batch.rows))
+            self.step([(0, 1)] * len(self.singles))
 
     def check(self):
         """Every row's extracted cache equals its single cache; the bookkeeping agrees."""
@@ -109,9 +109,11 @@ class Run:
         assert b.left_padding.tolist() == [b.size() - c.offset for c in self.singles]
         for i, c in enumerate(self.singles):
             assert_same_cache(b.extract(i), c)
-        # The batch holds the rows' sinks and tails and one tile storage for all rows
-        # (room up to the longest row's tiles, as mlx-lm's batch caches pad).
+        # The batch holds the rows' sinks and tails, one tile storage for all rows
+        # (room up to the longest row's tiles, as mlx-lm's batch caches pad) and,
+        # while it decodes, the rows' recent tokens side by side.
         dense = [x for r in b.rows for x in (r.sink_k, r.sink_v, r.tail_k, r.tail_v)]
+        dense += list(b._recent or ())
         if b._tiles is None:  # rows of other settings: each its own storage
             tiles = sum(r.tiles.nbytes for r in b.rows if r.tiles is not None)
         else:
@@ -273,6 +275,14 @@ def test_empty_batches_and_left_padding():
         run.batch.prepare(left_padding=[1, 1, 1])
     with pytest.raises(ValueError, match="lengths"):
         run.batch.prepare(right_padding=[1, 0, 0])
+
+
+def test_decode_step_with_a_row_still_empty():
+    # A row merged before any token (mlx-lm's server runs a one-token prompt as a
+    # one-token step): its first token starts its cache, the other rows decode on.
+    run = Run([150, 0, 20])
+    run.decode(3)
+    run.check()
 
 
 def test_mask_is_mlx_lms_causal_mask_with_left_padding():
