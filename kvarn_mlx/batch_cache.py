@@ -12,11 +12,17 @@ are those of the single cache.
 
 The rows' tiles live side by side in one storage (batch_tiles.py), written once
 per tile, so a decode step (one token per row) attends over every row in one
-graph: the shared tiles up to the longest row's count, the sinks and recent
-tokens padded to the longest row's, and a mask of each row's own columns, as
-mlx-lm's BatchKVCache masks its left padding (on Metal, the attention kernel
-given each row's lengths). Longer query chunks (prompts) attend per row over
-the row's cache.
+graph: the shared tiles up to the longest row's count, the sinks padded to the
+longest row's, the rows' recent tokens side by side in one buffer, and a mask
+of each row's own columns, as mlx-lm's BatchKVCache masks its left padding (on
+Metal, the attention kernel given each row's lengths). Longer query chunks
+(prompts) attend per row over the row's cache.
+
+A decode step costs the host the same few ops whatever the number of rows:
+every row's new token goes into the recent buffer in one op, and a row whose
+step only appends to its tail (most steps) is not touched; its counters and its
+own tail catch up when something reads the row (`rows`, extract, filter, trim,
+state) or its next step does more than append (a tile leaves the tail).
 """
 
 import copy
@@ -174,61 +180,62 @@ class BatchKVarNCache(BaseCache):
 
     def _decode(self, keys, values):
         """One token for every row, written into the recent buffer of all rows at once.
-        Most steps only append to a row's tail: that row just counts the token (its own
-        tail catches up at _sync). A row whose step does more (its sink filling, a tile
-        leaving its tail or waiting for its commit, the "auto" key choice) runs its own
-        update, and the buffer takes its tail afterwards. The step's view of all rows
-        is built from the buffer, for attention and for the arrays returned (the batch
-        layout, gathered from that view)."""
+        Most steps only append to every row's tail: the rows do not even count the
+        token then (_lag: tokens the rows' counters are behind, caught up by _settle)
+        and their own tails catch up at _sync. A row whose step does more (its sink
+        filling, a tile leaving its tail or waiting for its commit, the "auto" key
+        choice) runs its own update, and the buffer takes its tail afterwards. The
+        step's view of all rows is built from the buffer, for attention and for the
+        arrays returned (the batch layout, gathered from that view)."""
         self._idx += 1
-        rows, B = self._rows, len(self._rows)
-        self._spans = [(0, 1)] * B
-        c = rows[0].config
-        G, S, full = c.group_size, c.sink_size, c.group_size + c.tail_tokens
+        rows = self._rows
+        self._spans = [(0, 1)] * len(rows)
         if self._recent is None:
             self._open_recent()
+        if not self._free:
+            self._settle()
         rk, rv = self._recent
-        pos = tuple(r.n_tail for r in rows)
+        sinks, tiles, tails = self._counts
+        lag = self._lag
+        pos = tuple(t + lag for t in tails) if lag else tails
         if max(pos) >= rk.shape[2]:
             pad = [(0, 0), (0, 0), (0, ROOM), (0, 0)]
             rk, rv = mx.pad(rk, pad), mx.pad(rv, pad)
         at = _positions(pos)
         rk = mx.put_along_axis(rk, at, _as(keys, rk.dtype), axis=2)
         rv = mx.put_along_axis(rv, at, _as(values, rv.dtype), axis=2)
-        slow = []
-        for b, r in enumerate(rows):
-            if (
-                r.n_tail + 1 < full
-                and r.n_sink == S
-                and r.commit_in is None
-                and r.key_candidates is None
-                and not r.room_tile
-            ):
-                r.offset += 1
-                r.n_tail += 1
-                if r.n_tail > r.tail_k.shape[2]:  # its bytes stay those of a single cache
-                    r._grow_tail(r.n_tail)
-            else:
-                slow.append(b)
         steps = []
-        if slow:
+        if self._free:  # every row only appends
+            self._lag, self._free = lag + 1, self._free - 1
+            counts = (sinks, tiles, tuple(t + 1 for t in pos))
+            updated = ()
+        else:
+            updated = [rows[b] for b in self._slow]
+            for b, r in enumerate(rows):
+                if b not in self._slow:
+                    r.offset += 1
+                    r.n_tail += 1
+                    if r.n_tail > r.tail_k.shape[2]:
+                        r._grow_tail(r.n_tail)
             self._recent = (rk, rv)
-            self._sync(slow)
-            for b in slow:
-                r = rows[b]
+            self._sync(self._slow)
+            for b, r in zip(self._slow, updated):
                 steps.append(r.update(keys[b : b + 1], values[b : b + 1]))
                 n = self._own[b] = r.n_tail
                 if n:
                     rk[b : b + 1, :, :n] = r.tail_k[:, :, :n].astype(rk.dtype)
                     rv[b : b + 1, :, :n] = r.tail_v[:, :, :n].astype(rv.dtype)
             self._rot = None
-            if self._sinks and any(rows[b].sink_k is not self._sinks[0][b] for b in slow):
+            if self._sinks and any(r.sink_k is not self._sinks[0][b] for b, r in enumerate(rows)):
                 self._sinks = None
+            self._counts = counts = _row_counts(rows)
+            if any(r.key_candidates is not None for r in updated):
+                self._sync()  # attention runs row by row (attention()), on the rows' own tails
         self._recent = (rk, rv)
-        if any(rows[b].key_candidates is not None for b in slow):
-            self._sync()  # attention runs row by row (attention()), on the rows' own tails
+        c = rows[0].config
+        G = c.group_size
         if self._sinks is None:  # (the rows' sinks, as one [B, H, S, D] pair)
-            S_max = max(r.n_sink for r in rows)
+            S_max = max(counts[0])
             self._sinks = (
                 [r.sink_k for r in rows],
                 _padded([r.sink_k for r in rows], S_max),
@@ -236,11 +243,6 @@ class BatchKVarNCache(BaseCache):
             )
         if self._rot is None:
             self._rot = self._rotate_k([r.rotate_k for r in rows], rows[0].sink_k.shape[1])
-        counts = (
-            tuple(r.n_sink for r in rows),
-            tuple(r.n_tiles for r in rows),
-            tuple(r.n_tail for r in rows),
-        )
         n, W = max(counts[1]), rk.shape[2]
         view = StepView(
             *self._sinks[1:],
@@ -253,7 +255,7 @@ class BatchKVarNCache(BaseCache):
             self._rot,
             rows[0].rotate_v,
         )
-        self._together = (view, counts, W, [rows[b] for b in slow])
+        self._together = (view, counts, W, updated)
         head = self._head_of(view, keys.dtype)
         index = _layout_index(tuple(self._left), counts, G, W)
         zero = _zeros((*keys.shape[:2], 1, keys.shape[3]), keys.dtype)
@@ -276,13 +278,44 @@ class BatchKVarNCache(BaseCache):
             for xs in ([r.tail_k for r in rows], [r.tail_v for r in rows])
         )
         self._own = [r.n_tail for r in rows]
+        self._lag = self._free = 0
         self._sinks = self._rot = None
+
+    def _settle(self):
+        """The rows count the tokens they are behind, and which of them the next token
+        must go through their own update (_slow) is found, with how many steps from
+        now on only append (_free)."""
+        rows, lag = self._rows, self._lag
+        if lag:
+            for r in rows:
+                r.offset += lag
+                r.n_tail += lag
+                if r.n_tail > r.tail_k.shape[2]:  # its bytes stay those of a single cache
+                    r._grow_tail(r.n_tail)
+            self._lag = 0
+        c = rows[0].config
+        S, full = c.sink_size, c.group_size + c.tail_tokens
+        self._slow = [
+            b
+            for b, r in enumerate(rows)
+            if not (
+                r.n_tail + 1 < full
+                and r.n_sink == S
+                and r.commit_in is None
+                and r.key_candidates is None
+                and not r.room_tile
+            )
+        ]
+        self._free = 0 if self._slow else min(full - 1 - r.n_tail for r in rows)
+        self._counts = _row_counts(rows)
 
     def _sync(self, which=None):
         """Rows (all, or those indexed) take the tokens the recent buffer holds beyond
         their own tails: each then holds what its single cache would."""
         if self._recent is None:
             return
+        if self._lag:
+            self._settle()
         rk, rv = self._recent
         for b in range(len(self._rows)) if which is None else which:
             r, own = self._rows[b], self._own[b]
@@ -371,6 +404,7 @@ class BatchKVarNCache(BaseCache):
             and all(r.key_candidates is None for r in self._rows)
         ):
             return self._attend_together(queries, scale, sinks)
+        self._sync()  # the rows attend on their own tails
         self._rot = None  # a row's attention may choose its "auto" key rotation
         zeros = mx.zeros((1, Hq, L, self._v_dim), queries.dtype)
         out = []
@@ -483,6 +517,7 @@ class BatchKVarNCache(BaseCache):
     @property
     def nbytes(self):
         """The rows' bytes (each as its single cache holds them) and the recent buffer."""
+        self._sync()
         held = sum(r.nbytes for r in self._rows)
         return held + (0 if self._recent is None else sum(x.nbytes for x in self._recent))
 
@@ -665,6 +700,15 @@ def _zeros(shape, dtype):
 
 def _as(x, dtype):
     return x if x.dtype == dtype else x.astype(dtype)
+
+
+def _row_counts(rows):
+    """(sink, tiles, tail tokens) of each row, three tuples."""
+    return (
+        tuple(r.n_sink for r in rows),
+        tuple(r.n_tiles for r in rows),
+        tuple(r.n_tail for r in rows),
+    )
 
 
 def _padded(xs, n):
