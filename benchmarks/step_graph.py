@@ -153,8 +153,11 @@ def make(model, name):
 
 def row_lengths(ctx, rows):
     """Tokens per batch row before the warm-up steps: the last row at the context,
-    the others shorter by up to half of it (rows of a server batch differ)."""
-    return [ctx - WARMUP - 1 - (rows - 1 - i) * (ctx // (2 * rows)) for i in range(rows)]
+    the others shorter by up to half of it and 128 / rows tokens more per row, so
+    that, as in a server's batch, the rows complete their tiles at spread steps
+    (decode_speed.row_lengths)."""
+    step = ctx // (2 * rows) + 128 // rows
+    return [ctx - WARMUP - 1 - (rows - 1 - i) * step for i in range(rows)]
 
 
 def make_filled(model, name, ctx, rows):
@@ -175,7 +178,9 @@ def make_filled(model, name, ctx, rows):
 
 
 def n_tiles(caches):
-    rows = [r for c in caches for r in (c.rows if isinstance(c, BatchKVarNCache) else [c])]
+    # (a batch's _rows, not rows: reading `rows` catches the rows' tails up, which the
+    # decode loop being measured does not do)
+    rows = [r for c in caches for r in (c._rows if isinstance(c, BatchKVarNCache) else [c])]
     return sum(r.n_tiles for r in rows if isinstance(r, KVarNCache))
 
 
@@ -254,8 +259,9 @@ def render(data, times=True):
         md.append(
             f"Batched: {data['batch_rows']} sequences decoding together (mlx-lm's merge: "
             "BatchKVCache for fp, BatchKVarNCache for KVarN); 'context' is the longest row, the "
-            "others are shorter by steps of context / (2 x rows) tokens "
-            "(step_graph.row_lengths).\n"
+            "others are shorter by steps of context / (2 x rows) + 128 / rows tokens "
+            "(step_graph.row_lengths: tile boundaries at spread steps, as in a server's "
+            "batch).\n"
         )
     head = "| path | context | method | primitives | vs fp | commit step | vs fp |"
     rule = "|---|---|---|---|---|---|---|"

@@ -31,7 +31,7 @@ import weakref
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from . import attention, batch_tiles, dispatch, kernels
+from . import attention, batch_tiles, dispatch, kernels, waiting_tiles
 from .batch_tiles import RowTiles
 from .cache import KVarNCache
 from .mlx_lm_private import BaseCache
@@ -69,6 +69,7 @@ class BatchKVarNCache(BaseCache):
         # holds itself) until _sync writes the rest; see _decode.
         self._recent = self._own = None
         self._sinks = self._rot = self._tile_view = None  # kept between decode steps
+        self._pending = []  # rows' tails _sync wrote: evaluated with the next decode step
         self._read = self._reads_packed = False  # attention read this / the last step
 
     @classmethod
@@ -211,26 +212,36 @@ class BatchKVarNCache(BaseCache):
             updated = ()
         else:
             updated = [rows[b] for b in self._slow]
-            for b, r in enumerate(rows):
-                if b not in self._slow:
-                    r.offset += 1
-                    r.n_tail += 1
-                    if r.n_tail > r.tail_k.shape[2]:
-                        r._grow_tail(r.n_tail)
             self._recent = (rk, rv)
-            self._sync(self._slow)
-            for b, r in zip(self._slow, updated):
-                steps.append(r.update(keys[b : b + 1], values[b : b + 1]))
-                n = self._own[b] = r.n_tail
-                if n:
-                    rk[b : b + 1, :, :n] = r.tail_k[:, :, :n].astype(rk.dtype)
-                    rv[b : b + 1, :, :n] = r.tail_v[:, :, :n].astype(rv.dtype)
-            self._rot = None
-            if self._sinks and any(r.sink_k is not self._sinks[0][b] for b, r in enumerate(rows)):
-                self._sinks = None
+            for b, r in enumerate(rows):
+                if b in self._slow:
+                    continue
+                r.offset += 1
+                r.n_tail += 1
+                if r.n_tail > r.tail_k.shape[2]:
+                    r._grow_tail(r.n_tail)
+                if b in self._waiting:  # what its update would do, its tile waiting on
+                    if r.commit_in is None:  # (it completed the tile: peers may read it)
+                        self._sync([b])
+                    else:
+                        r.commit_in -= 1
+                    waiting_tiles.register(r)
+            if updated:
+                self._sync(self._slow)
+                for b, r in zip(self._slow, updated):
+                    steps.append(r.update(keys[b : b + 1], values[b : b + 1]))
+                    n = self._own[b] = r.n_tail
+                    if n:
+                        rk[b : b + 1, :, :n] = r.tail_k[:, :, :n].astype(rk.dtype)
+                        rv[b : b + 1, :, :n] = r.tail_v[:, :, :n].astype(rv.dtype)
+                self._rot = None
+                if self._sinks and any(
+                    r.sink_k is not self._sinks[0][b] for b, r in enumerate(rows)
+                ):
+                    self._sinks = None
+                if any(r.key_candidates is not None for r in updated):
+                    self._sync()  # attention runs row by row (attention()), on the rows' own tails
             self._counts = counts = _row_counts(rows)
-            if any(r.key_candidates is not None for r in updated):
-                self._sync()  # attention runs row by row (attention()), on the rows' own tails
         self._recent = (rk, rv)
         c = rows[0].config
         G = c.group_size
@@ -282,9 +293,11 @@ class BatchKVarNCache(BaseCache):
         self._sinks = self._rot = None
 
     def _settle(self):
-        """The rows count the tokens they are behind, and which of them the next token
-        must go through their own update (_slow) is found, with how many steps from
-        now on only append (_free)."""
+        """The rows count the tokens they are behind, and what the next token does in
+        each row is found: only append (most rows), append while the tile it completed
+        waits for its commit turn (_waiting: the row counts its turn and registers
+        again, as its update would), or anything else (_slow: the row's own update).
+        _free: how many steps from now on only append in every row."""
         rows, lag = self._rows, self._lag
         if lag:
             for r in rows:
@@ -295,18 +308,21 @@ class BatchKVarNCache(BaseCache):
             self._lag = 0
         c = rows[0].config
         S, full = c.sink_size, c.group_size + c.tail_tokens
-        self._slow = [
-            b
-            for b, r in enumerate(rows)
-            if not (
-                r.n_tail + 1 < full
-                and r.n_sink == S
-                and r.commit_in is None
-                and r.key_candidates is None
-                and not r.room_tile
-            )
-        ]
-        self._free = 0 if self._slow else min(full - 1 - r.n_tail for r in rows)
+        self._slow, self._waiting = [], set()
+        for b, r in enumerate(rows):
+            if r.n_sink != S or r.key_candidates is not None or r.room_tile:
+                self._slow.append(b)
+            elif r.commit_in is None:
+                if r.n_tail + 1 == full:  # its tile completes: it waits for its turn
+                    self._waiting.add(b)
+                elif r.n_tail + 1 > full:
+                    self._slow.append(b)
+            elif r.commit_in > 0 and full <= r.n_tail < full + r.tail_step:
+                self._waiting.add(b)  # (KVarNCache._commit before the row's turn)
+            else:
+                self._slow.append(b)  # its turn: the tile is quantized
+        quiet = not self._slow and not self._waiting
+        self._free = min(full - 1 - r.n_tail for r in rows) if quiet else 0
         self._counts = _row_counts(rows)
 
     def _sync(self, which=None):
@@ -324,6 +340,7 @@ class BatchKVarNCache(BaseCache):
                 r.tail_k[:, :, own:n] = rk[b : b + 1, :, own:n].astype(r.tail_k.dtype)
                 r.tail_v[:, :, own:n] = rv[b : b + 1, :, own:n].astype(r.tail_v.dtype)
                 r._step, r._fetched, r._unread = None, None, False
+                self._pending += [r.tail_k, r.tail_v]
             self._own[b] = n
 
     def _close_recent(self):
@@ -441,6 +458,9 @@ class BatchKVarNCache(BaseCache):
                 out = _attend_compiled(queries, view, scale, mask)
             else:
                 out = attention.attend(queries, view, scale, mask, sinks)
+        if self._pending:  # evaluated now: unevaluated, each would hold a recent buffer
+            out = mx.depends(out, self._pending)
+            self._pending = []
         # (a tile a row quantized at this step is in the view: reading the storage
         # makes the output depend on its write)
         return out
