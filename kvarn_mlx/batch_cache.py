@@ -195,6 +195,9 @@ class BatchKVarNCache(BaseCache):
             self._open_recent()
         if not self._free:
             self._settle()
+            for b, r in enumerate(rows):  # rows given their tails back (_sync) drop them
+                if b not in self._held and r.commit_in is None and self._own[b] == r.n_tail:
+                    self._release(b)
         rk, rv = self._recent
         sinks, tiles, tails = self._counts
         lag = self._lag
@@ -218,8 +221,7 @@ class BatchKVarNCache(BaseCache):
                     continue
                 r.offset += 1
                 r.n_tail += 1
-                if r.n_tail > r.tail_k.shape[2]:
-                    r._grow_tail(r.n_tail)
+                self._grow(b, r)
                 if b in self._waiting:  # what its update would do, its tile waiting on
                     if r.commit_in is None:  # (it completed the tile: peers may read it)
                         self._sync([b])
@@ -234,6 +236,8 @@ class BatchKVarNCache(BaseCache):
                     if n:
                         rk[b : b + 1, :, :n] = r.tail_k[:, :, :n].astype(rk.dtype)
                         rv[b : b + 1, :, :n] = r.tail_v[:, :, :n].astype(rv.dtype)
+                    if r.commit_in is None:
+                        self._release(b)
                 self._rot = None
                 if self._sinks and any(
                     r.sink_k is not self._sinks[0][b] for b, r in enumerate(rows)
@@ -289,8 +293,28 @@ class BatchKVarNCache(BaseCache):
             for xs in ([r.tail_k for r in rows], [r.tail_v for r in rows])
         )
         self._own = [r.n_tail for r in rows]
+        self._held = {}
         self._lag = self._free = 0
         self._sinks = self._rot = None
+        for b, r in enumerate(rows):
+            if r.commit_in is None:
+                self._release(b)
+
+    def _release(self, b):
+        """Row b's tail now lives only in the recent buffer: the row drops its own
+        (no second copy of the same tokens), and _held keeps what _sync needs to give
+        it back as the single cache would hold it: room, and dtypes."""
+        r = self._rows[b]
+        self._held[b] = (r.tail_k.shape[2], r.tail_k.dtype, r.tail_v.dtype)
+        r.tail_k = r.tail_v = None
+
+    def _grow(self, b, r):
+        """Room for row b's tail tokens, as its single cache grows it."""
+        if b in self._held:
+            cap, dk, dv = self._held[b]
+            self._held[b] = (r.tail_capacity(cap, r.n_tail), dk, dv)
+        elif r.n_tail > r.tail_k.shape[2]:
+            r._grow_tail(r.n_tail)
 
     def _settle(self):
         """The rows count the tokens they are behind, and what the next token does in
@@ -300,11 +324,10 @@ class BatchKVarNCache(BaseCache):
         _free: how many steps from now on only append in every row."""
         rows, lag = self._rows, self._lag
         if lag:
-            for r in rows:
+            for b, r in enumerate(rows):
                 r.offset += lag
                 r.n_tail += lag
-                if r.n_tail > r.tail_k.shape[2]:  # its bytes stay those of a single cache
-                    r._grow_tail(r.n_tail)
+                self._grow(b, r)
             self._lag = 0
         c = rows[0].config
         S, full = c.sink_size, c.group_size + c.tail_tokens
@@ -336,7 +359,14 @@ class BatchKVarNCache(BaseCache):
         for b in range(len(self._rows)) if which is None else which:
             r, own = self._rows[b], self._own[b]
             n = r.n_tail
-            if n > own:
+            if b in self._held:
+                cap, dk, dv = self._held.pop(b)
+                pad = [(0, 0), (0, 0), (0, cap - n), (0, 0)]
+                r.tail_k = mx.pad(rk[b : b + 1, :, :n].astype(dk), pad)
+                r.tail_v = mx.pad(rv[b : b + 1, :, :n].astype(dv), pad)
+                r._step, r._fetched, r._unread = None, None, False
+                self._pending += [r.tail_k, r.tail_v]
+            elif n > own:
                 r.tail_k[:, :, own:n] = rk[b : b + 1, :, own:n].astype(r.tail_k.dtype)
                 r.tail_v[:, :, own:n] = rv[b : b + 1, :, own:n].astype(r.tail_v.dtype)
                 r._step, r._fetched, r._unread = None, None, False
@@ -444,7 +474,7 @@ class BatchKVarNCache(BaseCache):
         attention kernel, given each row's lengths."""
         view, counts, R, updated = self._together
         for r in updated:
-            r.step_view()  # read: the rows' caches know the model attends on their tiles
+            r._unread = False  # read (as step_view marks it): the model attends on the tiles
         out = None
         if view.tiles is not None and sinks is None and dispatch.use_metal():
             reason = kernels.attention_unsupported(queries, view)
@@ -536,8 +566,8 @@ class BatchKVarNCache(BaseCache):
 
     @property
     def nbytes(self):
-        """The rows' bytes (each as its single cache holds them) and the recent buffer."""
-        self._sync()
+        """The bytes of the rows' arrays and of the recent buffer (a row whose tail
+        lives in the buffer holds no tail of its own then)."""
         held = sum(r.nbytes for r in self._rows)
         return held + (0 if self._recent is None else sum(x.nbytes for x in self._recent))
 

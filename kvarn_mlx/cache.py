@@ -221,16 +221,21 @@ class KVarNCache(BaseCache):
         self.tail_v = mx.zeros((B, H, 0, D), values.dtype)
 
     def _grow_tail(self, n):
-        """Room for n tail tokens, added tail_step tokens at a time (no per-token copies);
-        more than tail_tokens + a tile only while a short step's tiles wait to be committed."""
+        """Room for n tail tokens (tail_capacity)."""
         cap = self.tail_k.shape[2]
         if n > cap:
-            new_cap = -(-n // self.tail_step) * self.tail_step
-            full = self.config.group_size + self.config.tail_tokens
-            if n <= full:
-                new_cap = min(new_cap, full)
-            pad = [(0, 0), (0, 0), (0, new_cap - cap), (0, 0)]
+            pad = [(0, 0), (0, 0), (0, self.tail_capacity(cap, n) - cap), (0, 0)]
             self.tail_k, self.tail_v = mx.pad(self.tail_k, pad), mx.pad(self.tail_v, pad)
+
+    def tail_capacity(self, cap, n):
+        """The tail buffer's room once it holds n tokens, from room for cap: it grows
+        tail_step tokens at a time (no per-token copies), beyond tail_tokens + a tile
+        only while a short step's tiles wait to be committed."""
+        if n <= cap:
+            return cap
+        new_cap = -(-n // self.tail_step) * self.tail_step
+        full = self.config.group_size + self.config.tail_tokens
+        return min(new_cap, full) if n <= full else new_cap
 
     def _new_tail(self, k, v):
         """Start a fresh tail buffer holding k, v [B, H, r, D]."""

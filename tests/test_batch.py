@@ -277,6 +277,21 @@ def test_empty_batches_and_left_padding():
         run.batch.prepare(right_padding=[1, 0, 0])
 
 
+def test_decoding_rows_hold_their_tail_once():
+    # While the batch decodes, an appending row's tail lives in the batch's recent
+    # buffer only; read from outside, the row has it back as its single cache holds it.
+    run = Run([100, 40])
+    run.decode(5)
+    b = run.batch
+    assert all(r.tail_k is None and r.tail_v is None for r in b._rows)
+    held = sum(x.nbytes for r in b._rows for x in r.held_arrays()) + sum(
+        x.nbytes for x in b._recent
+    )
+    assert b.nbytes == held
+    assert [r.tail_k.shape for r in b.rows] == [c.tail_k.shape for c in run.singles]
+    run.check()
+
+
 def test_decode_step_with_a_row_still_empty():
     # A row merged before any token (mlx-lm's server runs a one-token prompt as a
     # one-token step): its first token starts its cache, the other rows decode on.
