@@ -195,9 +195,12 @@ class BatchKVarNCache(BaseCache):
             self._open_recent()
         if not self._free:
             self._settle()
-            for b, r in enumerate(rows):  # rows given their tails back (_sync) drop them
+        if self._given:  # rows given their tails back (_sync) drop them again
+            for b in self._given:
+                r = rows[b]
                 if b not in self._held and r.commit_in is None and self._own[b] == r.n_tail:
                     self._release(b)
+            self._given = set()
         rk, rv = self._recent
         sinks, tiles, tails = self._counts
         lag = self._lag
@@ -293,7 +296,7 @@ class BatchKVarNCache(BaseCache):
             for xs in ([r.tail_k for r in rows], [r.tail_v for r in rows])
         )
         self._own = [r.n_tail for r in rows]
-        self._held = {}
+        self._held, self._given = {}, set()
         self._lag = self._free = 0
         self._sinks = self._rot = None
         for b, r in enumerate(rows):
@@ -360,6 +363,7 @@ class BatchKVarNCache(BaseCache):
             r, own = self._rows[b], self._own[b]
             n = r.n_tail
             if b in self._held:
+                self._given.add(b)
                 cap, dk, dv = self._held.pop(b)
                 pad = [(0, 0), (0, 0), (0, cap - n), (0, 0)]
                 r.tail_k = mx.pad(rk[b : b + 1, :, :n].astype(dk), pad)

@@ -289,6 +289,8 @@ def test_decoding_rows_hold_their_tail_once():
     )
     assert b.nbytes == held
     assert [r.tail_k.shape for r in b.rows] == [c.tail_k.shape for c in run.singles]
+    run.decode(1)  # the next step drops them again
+    assert all(r.tail_k is None for r in b._rows)
     run.check()
 
 
