@@ -183,11 +183,10 @@ class BatchKVarNCache(BaseCache):
         """One token for every row, written into the recent buffer of all rows at once.
         Most steps only append to every row's tail: the rows do not even count the
         token then (_lag: tokens the rows' counters are behind, caught up by _settle)
-        and their own tails catch up at _sync. A row whose step does more (its sink
-        filling, a tile leaving its tail or waiting for its commit, the "auto" key
-        choice) runs its own update, and the buffer takes its tail afterwards. The
-        step's view of all rows is built from the buffer, for attention and for the
-        arrays returned (the batch layout, gathered from that view)."""
+        and their tails live in the buffer only (_release, given back by _sync). The
+        other steps go row by row (_step_rows). The step's view of all rows is built
+        from the buffer, for attention and for the arrays returned (the batch layout,
+        gathered from that view)."""
         self._idx += 1
         rows = self._rows
         self._spans = [(0, 1)] * len(rows)
@@ -211,44 +210,15 @@ class BatchKVarNCache(BaseCache):
         at = _positions(pos)
         rk = mx.put_along_axis(rk, at, _as(keys, rk.dtype), axis=2)
         rv = mx.put_along_axis(rv, at, _as(values, rv.dtype), axis=2)
-        steps = []
         if self._free:  # every row only appends
             self._lag, self._free = lag + 1, self._free - 1
             counts = (sinks, tiles, tuple(t + 1 for t in pos))
-            updated = ()
+            updated = steps = ()
         else:
-            updated = [rows[b] for b in self._slow]
             self._recent = (rk, rv)
-            for b, r in enumerate(rows):
-                if b in self._slow:
-                    continue
-                r.offset += 1
-                r.n_tail += 1
-                self._grow(b, r)
-                if b in self._waiting:  # what its update would do, its tile waiting on
-                    if r.commit_in is None:  # (it completed the tile: peers may read it)
-                        self._sync([b])
-                    else:
-                        r.commit_in -= 1
-                    waiting_tiles.register(r)
-            if updated:
-                self._sync(self._slow)
-                for b, r in zip(self._slow, updated):
-                    steps.append(r.update(keys[b : b + 1], values[b : b + 1]))
-                    n = self._own[b] = r.n_tail
-                    if n:
-                        rk[b : b + 1, :, :n] = r.tail_k[:, :, :n].astype(rk.dtype)
-                        rv[b : b + 1, :, :n] = r.tail_v[:, :, :n].astype(rv.dtype)
-                    if r.commit_in is None:
-                        self._release(b)
-                self._rot = None
-                if self._sinks and any(
-                    r.sink_k is not self._sinks[0][b] for b, r in enumerate(rows)
-                ):
-                    self._sinks = None
-                if any(r.key_candidates is not None for r in updated):
-                    self._sync()  # attention runs row by row (attention()), on the rows' own tails
-            self._counts = counts = _row_counts(rows)
+            updated, steps = self._step_rows(keys, values)
+            rk, rv = self._recent
+            counts = self._counts = _row_counts(rows)
         self._recent = (rk, rv)
         c = rows[0].config
         G = c.group_size
@@ -286,6 +256,48 @@ class BatchKVarNCache(BaseCache):
         if steps:  # the updated rows' steps live as long as these
             weakref.finalize(k, _keep_alive, steps)
         return k, v
+
+    def _step_rows(self, keys, values):
+        """A step that is more than appending in some row (_settle found which): a row
+        that only appends counts the token; one whose tile completes or waits for its
+        commit turn also counts its turn and registers again, as its update would
+        (the completing row first takes its tail back: peers quantizing with it read
+        its tile there); the others (_slow) run their own update, and the buffer
+        takes their tails. Returns the updated rows and their steps."""
+        rows = self._rows
+        for b, r in enumerate(rows):
+            if b in self._slow:
+                continue
+            r.offset += 1
+            r.n_tail += 1
+            self._grow(b, r)
+            if b in self._waiting:
+                if r.commit_in is None:
+                    self._sync([b])
+                else:
+                    r.commit_in -= 1
+                waiting_tiles.register(r)
+        updated = [rows[b] for b in self._slow]
+        if not updated:
+            return updated, []
+        self._sync(self._slow)
+        rk, rv = self._recent
+        steps = []
+        for b, r in zip(self._slow, updated):
+            steps.append(r.update(keys[b : b + 1], values[b : b + 1]))
+            n = self._own[b] = r.n_tail
+            if n:
+                rk[b : b + 1, :, :n] = r.tail_k[:, :, :n].astype(rk.dtype)
+                rv[b : b + 1, :, :n] = r.tail_v[:, :, :n].astype(rv.dtype)
+            if r.commit_in is None:
+                self._release(b)
+        self._recent = (rk, rv)
+        self._rot = None
+        if self._sinks and any(r.sink_k is not self._sinks[0][b] for b, r in enumerate(rows)):
+            self._sinks = None
+        if any(r.key_candidates is not None for r in updated):
+            self._sync()  # attention runs row by row (attention()), on the rows' own tails
+        return updated, steps
 
     def _open_recent(self):
         """The recent buffer from the rows' own tails (all of them up to date)."""
