@@ -243,7 +243,9 @@ class BatchKVarNCache(BaseCache):
             self._rot,
             rows[0].rotate_v,
         )
-        self._together = (view, counts, W, updated)
+        # A row choosing its "auto" key rotation attends on its own (attention()).
+        together = not any(r.key_candidates is not None for r in updated)
+        self._together = (view, counts, W, updated) if together else None
         head = self._head_of(view, keys.dtype)
         index = _layout_index(tuple(self._left), counts, G, W)
         zero = _zeros((*keys.shape[:2], 1, keys.shape[3]), keys.dtype)
@@ -460,12 +462,7 @@ class BatchKVarNCache(BaseCache):
             raise RuntimeError("BatchKVarNCache.attention runs right after update_and_fetch")
         causal = mask is None or isinstance(mask, str) or _causal_masks.get(id(mask)) is mask
         self._read = True
-        if (
-            causal
-            and L == 1
-            and self._together is not None
-            and all(r.key_candidates is None for r in self._rows)
-        ):
+        if causal and L == 1 and self._together is not None:
             return self._attend_together(queries, scale, sinks)
         self._sync()  # the rows attend on their own tails
         self._rot = None  # a row's attention may choose its "auto" key rotation
