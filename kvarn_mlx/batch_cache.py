@@ -64,9 +64,9 @@ class BatchKVarNCache(BaseCache):
         self._flags = (None, None)  # the rows' key rotation flags -> their [B, H] array
         self._together = None  # a decode step's view of all rows, and its mask
         # Decode steps: every row's recent tokens (its tail) in one buffer pair
-        # [B, H, W, D], row b's from column 0, its count its row's n_tail. A row
-        # whose step only appends leaves its own tail behind (_own[b]: the tokens it
-        # holds itself) until _sync writes the rest; see _decode.
+        # [B, H, W, D], row b's from column 0, its count its row's n_tail. A row's
+        # own tail is either dropped (_held[b]: what giving it back needs) or behind
+        # (_own[b]: the tokens it holds itself) until _sync; see _decode.
         self._recent = self._own = None
         self._sinks = self._rot = self._tile_view = None  # kept between decode steps
         self._pending = []  # rows' tails _sync wrote: evaluated with the next decode step
