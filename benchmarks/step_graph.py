@@ -57,6 +57,7 @@ from mlx_lm.models import cache as mlx_cache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import fill  # noqa: E402
+from decode_speed import row_lengths as decode_speed_row_lengths  # noqa: E402
 
 from kvarn_mlx import dispatch, waiting_tiles  # noqa: E402
 from kvarn_mlx.batch_cache import BatchKVarNCache  # noqa: E402
@@ -152,12 +153,11 @@ def make(model, name):
 
 
 def row_lengths(ctx, rows):
-    """Tokens per batch row before the warm-up steps: the last row at the context,
-    the others shorter by up to half of it and 128 / rows tokens more per row, so
-    that, as in a server's batch, the rows complete their tiles at spread steps
-    (decode_speed.row_lengths)."""
-    step = ctx // (2 * rows) + 128 // rows
-    return [ctx - WARMUP - 1 - (rows - 1 - i) * step for i in range(rows)]
+    """Tokens per batch row before the warm-up steps: decode_speed's rows (the others
+    shorter by up to half the context and 128 / rows tokens more per row, so that, as
+    in a server's batch, the rows complete their tiles at spread steps), each
+    WARMUP + 1 tokens short of it."""
+    return [n - WARMUP - 1 for n in decode_speed_row_lengths(ctx, rows)]
 
 
 def make_filled(model, name, ctx, rows):

@@ -375,21 +375,20 @@ class BatchKVarNCache(BaseCache):
         rk, rv = self._recent
         for b in range(len(self._rows)) if which is None else which:
             r, own = self._rows[b], self._own[b]
-            n = r.n_tail
+            n = self._own[b] = r.n_tail
             if b in self._held:
                 self._given.add(b)
                 cap, dk, dv = self._held.pop(b)
                 pad = [(0, 0), (0, 0), (0, cap - n), (0, 0)]
                 r.tail_k = mx.pad(rk[b : b + 1, :, :n].astype(dk), pad)
                 r.tail_v = mx.pad(rv[b : b + 1, :, :n].astype(dv), pad)
-                r._step, r._fetched, r._unread = None, None, False
-                self._pending += [r.tail_k, r.tail_v]
             elif n > own:
                 r.tail_k[:, :, own:n] = rk[b : b + 1, :, own:n].astype(r.tail_k.dtype)
                 r.tail_v[:, :, own:n] = rv[b : b + 1, :, own:n].astype(r.tail_v.dtype)
-                r._step, r._fetched, r._unread = None, None, False
-                self._pending += [r.tail_k, r.tail_v]
-            self._own[b] = n
+            else:
+                continue
+            r._step, r._fetched, r._unread = None, None, False
+            self._pending += [r.tail_k, r.tail_v]
 
     def _close_recent(self):
         """Back to the rows' own tails (before anything but a decode step)."""
@@ -482,9 +481,10 @@ class BatchKVarNCache(BaseCache):
 
     def _attend_together(self, queries, scale, sinks):
         """One decode step of every row in one graph: the shared tiles [0, most
-        tiles of a row), each row's sink and recent tokens padded to the longest,
-        and a mask of each row's own columns (the view _decode built); on Metal the
-        attention kernel, given each row's lengths."""
+        tiles of a row), the sinks padded to the longest, the recent buffer, and a
+        mask of each row's own columns (the view _decode built; a tile a row
+        quantized at this step is in it, so the output depends on its write); on
+        Metal the attention kernel, given each row's lengths."""
         view, counts, R, updated = self._together
         for r in updated:
             r._unread = False  # read (as step_view marks it): the model attends on the tiles
@@ -504,8 +504,6 @@ class BatchKVarNCache(BaseCache):
         if self._pending:  # evaluated now: unevaluated, each would hold a recent buffer
             out = mx.depends(out, self._pending)
             self._pending = []
-        # (a tile a row quantized at this step is in the view: reading the storage
-        # makes the output depend on its write)
         return out
 
     def _rotate_k(self, flags, H):

@@ -201,7 +201,9 @@ def _step_memo(q, view):
     tiles = view.tiles
     if tiles is None:
         return None
-    asked = view.__dict__.get("_memo")  # attention_unsupported, then the call: one lookup
+    # attention_unsupported, then the call: one lookup. Kept in the view's __dict__,
+    # not a field, so that dataclasses.replace does not carry it to another view.
+    asked = view.__dict__.get("_memo")
     if (
         asked is not None
         and asked[0] == (q.shape, q.dtype)
