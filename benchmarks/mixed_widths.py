@@ -145,7 +145,7 @@ def main():
         else:  # a preset: is the mix at its bytes the preset itself?
             m = predicted(model, prof, f"{args.profile}@{e['method']}")[2]
             cfg = get_preset(e["method"])
-            if all(kv == (cfg.k_bits, cfg.v_bits) for kv in m.widths.values()):
+            if not m.fp8 and all(kv == (cfg.k_bits, cfg.v_bits) for kv in m.widths.values()):
                 md.append(
                     f"\nThe mix at {e['method']}'s bytes is {e['method']} itself: no other widths "
                     "fit those bytes with a lower predicted KL."

@@ -5,11 +5,12 @@ make_cache(model, profile=...) turns into per-layer widths.
     python -m kvarn_mlx.calibrate --model M --out PROFILE.json
 
 For each layer make_cache quantizes, each side (keys, values) and each width
-(2, 3, 4, 5, 6, 8), the mean KL of the next-token distribution to the plain
-cache's, teacher-forced over text that ships with Python (the second half of
-CPython's pydoc_data/topics.py by default, so the evals' text, its start,
-stays held apart), when only that layer's keys (or only its values) are
-quantized, the "auto" key rotation decided as the auto presets decide it.
+(2, 3, 4, 5, 6, 8; and 2, 3, 4 with one-byte scales), the mean KL of the
+next-token distribution to the plain cache's, teacher-forced over text that
+ships with Python (the second half of CPython's pydoc_data/topics.py by
+default, so the evals' text, its start, stays held apart), when only that
+layer's keys (or only its values) are quantized, the "auto" key rotation
+decided as the auto presets decide it.
 
 What makes it cheap (a real measurement all the same):
 - one plain pass records each layer's inputs (and the keys and values it
@@ -41,13 +42,14 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from . import profile as profiles
 from .batch_cache import BatchKVarNCache
 from .cache import KVarNCache, cannot_hold
-from .config import DEFAULT_PRESET, SUPPORTED_BITS, get_preset
+from .config import DEFAULT_PRESET, FP8_MAX_BITS, SUPPORTED_BITS, get_preset
 from .eval.runner import Progress, load_text, log_softmax
 from .integration import make_cache, quantizable_layers
 
 log = logging.getLogger("kvarn_mlx")
 
 WIDTHS = SUPPORTED_BITS
+FP8_WIDTHS = tuple(w for w in SUPPORTED_BITS if w <= FP8_MAX_BITS)
 TOKENS = 1024
 MEASURE = 512
 CHUNK = 256
@@ -90,12 +92,13 @@ class OneSideCache(KVarNCache):
         )
 
 
-def variant_config(base, side, width):
-    """The config measuring `side` at `width`: the base's settings, the other side
-    at 8 bits (read in full precision anyway; 8 fits every head dim)."""
+def variant_config(base, side, width, fp8=False):
+    """The config measuring `side` at `width` (with one-byte scales if fp8): the
+    base's settings, the other side at the same width (read in full precision anyway)."""
+    base = replace(base, scale_dtype="fp8") if fp8 else base
     if side == "k":
-        return replace(base, k_bits=width, v_bits=8)
-    return replace(base, k_bits=8, v_bits=width, rotate_keys=False)
+        return replace(base, k_bits=width, v_bits=width)
+    return replace(base, k_bits=width, v_bits=width, rotate_keys=False)
 
 
 # -- the plain pass, recorded ----------------------------------------------------------
@@ -321,6 +324,7 @@ def calibrate(
     measure=MEASURE,
     chunk=CHUNK,
     widths=WIDTHS,
+    fp8_widths=FP8_WIDTHS,
     base=DEFAULT_PRESET,
     batch=12,
     replay=True,
@@ -328,9 +332,13 @@ def calibrate(
 ):
     """The profile (a dict, profile.py's format) of this model."""
     base = get_preset(base)
-    widths = sorted(set(widths))
-    if any(w not in SUPPORTED_BITS for w in widths):
+    widths, fp8_widths = sorted(set(widths)), sorted(set(fp8_widths))
+    if not widths or any(w not in SUPPORTED_BITS for w in widths):
         raise ValueError(f"widths {widths}: use some of {SUPPORTED_BITS}")
+    if any(w not in FP8_WIDTHS for w in fp8_widths):
+        raise ValueError(f"fp8 widths {fp8_widths}: use some of {FP8_WIDTHS} (or none)")
+    if fp8_widths and base.scale_dtype == "fp8":
+        fp8_widths = []  # the widths themselves are measured with one-byte scales
     G, S = base.group_size, base.sink_size
     first_read = S + G  # the first token position whose chunk can read a quantized tile
     if chunk < 32:
@@ -368,30 +376,32 @@ def calibrate(
                 f"({err}); measuring with whole passes (slower)"
             )
             mode = "whole"
-    variants = []
+    variants = []  # (layer, result key, width, config or None when the layer cannot hold it)
     for l in layers:
         _, D, _, _ = shapes[l]
-        for side in profiles.SIDES:
-            for w in widths:
-                cfg = variant_config(base, side, w)
-                variants.append((l, side, w, None if cannot_hold(cfg, D, D) else cfg))
-    results = {(l, side): {} for l in layers for side in profiles.SIDES}
+        for fp8, ws in ((False, widths), (True, fp8_widths)):
+            for side in profiles.SIDES:
+                for w in ws:
+                    cfg = variant_config(base, side, w, fp8)
+                    key = side + "_fp8" if fp8 else side
+                    variants.append((l, key, w, None if cannot_hold(cfg, D, D) else cfg))
+    results = {(l, v[1]): {} for v in variants for l in [v[0]]}
     todo = [v for v in variants if v[3] is not None]
-    for l, side, w, cfg in variants:
+    for l, key, w, cfg in variants:
         if cfg is None:
-            results[l, side][str(w)] = None
+            results[l, key][str(w)] = None
     bar = Progress(len(todo), "measurements")
     for l in layers:
         mine = [v for v in todo if v[0] == l]
         for k in range(0, len(mine), batch if mode == "replay" else 1):
             group = mine[k : k + batch]
-            rows = [OneSideCache(cfg, side) for _, side, _, cfg in group]
+            rows = [OneSideCache(cfg, key[0]) for _, key, _, cfg in group]
             if mode == "replay":
                 kls = measure_replayed(model, rec, l, rows, first_read)
             else:
                 kls = [measure_whole(model, rec, l, rows[0])]
-            for (_, side, w, _), kl in zip(group, kls):
-                results[l, side][str(w)] = max(0.0, float(kl))
+            for (_, key, w, _), kl in zip(group, kls):
+                results[l, key][str(w)] = max(0.0, float(kl))
             bar.step(len(group))
     identity = dict(identity or {})
     identity["fingerprint"] = profiles.fingerprint(model)
@@ -410,9 +420,13 @@ def calibrate(
         },
         "settings": {k: getattr(base, k) for k in profiles.SETTINGS},
         "widths": widths,
+        "fp8_widths": fp8_widths,
         "kl": "mean KL(plain || this) in nats per measured position, "
-        "only this layer's side quantized",
-        "layers": [{"layer": l, "k": results[l, "k"], "v": results[l, "v"]} for l in layers],
+        "only this layer's side quantized (k_fp8, v_fp8: with one-byte scales)",
+        "layers": [
+            {"layer": l, **{key: res for (j, key), res in results.items() if j == l}}
+            for l in layers
+        ],
         "mode": mode,
         "seconds": round(time.time() - t0, 1),
     }
@@ -462,6 +476,12 @@ def setup_arg_parser():
         "--widths", default=",".join(map(str, WIDTHS)), help="widths to measure (default all)"
     )
     p.add_argument(
+        "--fp8-widths",
+        default=",".join(map(str, FP8_WIDTHS)),
+        help="widths to measure with one-byte (e4m3) scales as well, which lets a mix store some "
+        "layers for less and widen others (default 2,3,4; empty for none)",
+    )
+    p.add_argument(
         "--base",
         default=DEFAULT_PRESET,
         help=f"the preset whose other settings (tile size, sink, key rotation) the widths use "
@@ -480,6 +500,12 @@ def main(argv=None):
         widths = [int(w) for w in args.widths.split(",") if w]
         if not widths or any(w not in WIDTHS for w in widths):
             raise ValueError(f"--widths {args.widths}: use some of {', '.join(map(str, WIDTHS))}")
+        fp8_widths = [int(w) for w in args.fp8_widths.split(",") if w]
+        if any(w not in FP8_WIDTHS for w in fp8_widths):
+            raise ValueError(
+                f"--fp8-widths {args.fp8_widths}: use some of {', '.join(map(str, FP8_WIDTHS))} "
+                "(one-byte scales suit narrow codes), or an empty string for none"
+            )
         profiles.check_writable(args.out)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
@@ -498,6 +524,7 @@ def main(argv=None):
             measure=args.measure,
             chunk=args.chunk,
             widths=widths,
+            fp8_widths=fp8_widths,
             base=args.base,
             batch=max(1, args.batch),
             identity=identity,

@@ -1,11 +1,12 @@
 """Per-layer key and value widths from a calibration profile (profile.py).
 
 Given a byte budget (the tile bytes per token of a preset, `bytes_like`) or a
-KL target (`max_kl`), choose one key width and one value width per layer
-that minimize the predicted KL at those bytes. The prediction assumes the
-layers' and sides' KLs add up: predicted KL = the sum of the measured KLs of
-each layer's key width and value width (each measured with only that side of
-that layer quantized). Tile bytes per token per layer and side come from the
+KL target (`max_kl`), choose one key width and one value width per layer (and,
+where the profile measured them, one-byte scales for that layer) that minimize
+the predicted KL at those bytes. The prediction assumes the layers' and sides'
+KLs add up: predicted KL = the sum of the measured KLs of each layer's key
+width and value width (each measured with only that side of that layer
+quantized, with that layer's scales). Tile bytes per token per layer and side come from the
 arrays a real KVarNCache of that layer's shape holds (sink and tail are the
 same for every width, so they do not enter the choice).
 
@@ -24,7 +25,7 @@ import numpy as np
 from . import profile as profiles
 from .cache import KVarNCache
 from .config import get_preset
-from .profile import ProfileError
+from .profile import ProfileError, settings_config
 
 
 @lru_cache(maxsize=256)
@@ -48,6 +49,7 @@ class Mix:
     """Per-layer widths chosen from a profile, and what they cost and predict."""
 
     widths: dict  # layer -> (k_bits, v_bits)
+    fp8: frozenset  # layers whose scales are one byte (e4m3)
     tile_bytes: int  # bytes of one tile of every quantized layer
     predicted_kl: float  # sum of the layers' measured KLs at these widths
     group_size: int
@@ -61,9 +63,14 @@ class Mix:
         """Tile bytes per token, summed over the quantized layers."""
         return self.tile_bytes / self.group_size
 
+    def label(self, layer) -> str:
+        """A layer's widths, e.g. "k3v2", and "/fp8" for one-byte scales."""
+        k, v = self.widths[layer]
+        return f"k{k}v{v}" + ("/fp8" if layer in self.fp8 else "")
+
     def summary(self) -> dict:
         return {
-            "widths": {str(l): f"k{k}v{v}" for l, (k, v) in sorted(self.widths.items())},
+            "widths": {str(l): self.label(l) for l in sorted(self.widths)},
             "tile_bytes_per_token": self.bytes_per_token,
             "predicted_kl": self.predicted_kl,
             "target": self.target,
@@ -72,11 +79,9 @@ class Mix:
 
     def describe(self) -> str:
         counts = {}
-        for kv in self.widths.values():
-            counts[kv] = counts.get(kv, 0) + 1
-        common = ", ".join(
-            f"k{k}v{v} x{n}" for (k, v), n in sorted(counts.items(), key=lambda t: -t[1])
-        )
+        for l in self.widths:
+            counts[self.label(l)] = counts.get(self.label(l), 0) + 1
+        common = ", ".join(f"{w} x{n}" for w, n in sorted(counts.items(), key=lambda t: -t[1]))
         out = (
             f"KV widths from the profile ({self.target}): {common}; "
             f"{self.bytes_per_token:,.1f} tile bytes/token, predicted KL {self.predicted_kl:.4g}"
@@ -86,7 +91,7 @@ class Mix:
                 f" ({self.budget['name']}: {self.budget['tile_bytes'] / self.group_size:,.1f} "
                 f"bytes/token, predicted KL {self.budget['predicted_kl']:.4g})"
             )
-        per_layer = " ".join(f"{l}:k{k}v{v}" for l, (k, v) in sorted(self.widths.items()))
+        per_layer = " ".join(f"{l}:{self.label(l)}" for l in sorted(self.widths))
         return out + "\n  per layer: " + per_layer
 
 
@@ -120,21 +125,26 @@ def allocate(groups, budget):
 
 
 def _options(p, shapes):
-    """Per (layer, side) group, the (width, tile bytes, kl) it can take."""
+    """Per layer, the ((k_bits, v_bits, fp8), tile bytes, kl) it can take: every
+    key width with every value width, with the profile's scales and, at the
+    widths measured with them, one-byte scales (one scale dtype per layer)."""
     settings = p["settings"]
     groups = []
     for e in sorted(p["layers"], key=lambda e: e["layer"]):
         heads, k_dim, v_dim, dtype = shapes[e["layer"]]
-        for side in profiles.SIDES:
-            opts = []
-            for w in p["widths"]:
-                kl = e[side][str(w)]
-                if kl is None:
-                    continue
-                cfg = profiles.settings_config(settings, w, w)
-                kb, vb = tile_bytes(cfg, heads, k_dim, dtype)
-                opts.append((w, kb if side == "k" else vb, kl))
-            groups.append(((e["layer"], side), opts))
+        opts = []
+        for fp8, widths in ((False, p["widths"]), (True, profiles.fp8_widths(p))):
+            if not widths:
+                continue
+            k_kls, v_kls = (profiles.measured(e, side, fp8) for side in profiles.SIDES)
+            for kw in widths:
+                for vw in widths:
+                    if k_kls[str(kw)] is None or v_kls[str(vw)] is None:
+                        continue
+                    kb, _ = tile_bytes(settings_config(settings, kw, kw, fp8), heads, k_dim, dtype)
+                    _, vb = tile_bytes(settings_config(settings, vw, vw, fp8), heads, v_dim, dtype)
+                    opts.append(((kw, vw, fp8), kb + vb, k_kls[str(kw)] + v_kls[str(vw)]))
+        groups.append((e["layer"], opts))
     return groups
 
 
@@ -158,14 +168,13 @@ def choose(p, shapes, bytes_like=None, max_kl=None) -> Mix:
                 f"bytes_like={bytes_like!r} has {cfg.group_size}-token tiles; the profile's have "
                 f"{G}"
             )
-        widths = {"k": cfg.k_bits, "v": cfg.v_bits}
         total, kl = 0, 0.0
-        for (layer, side), opts in groups:
-            match = [o for o in opts if o[0] == widths[side]]
+        for layer, opts in groups:
+            match = [o for o in opts if o[0] == (cfg.k_bits, cfg.v_bits, False)]
             if not match:
                 raise ValueError(
-                    f"bytes_like={bytes_like!r}: layer {layer} cannot hold {widths[side]}-bit "
-                    f"{'keys' if side == 'k' else 'values'}; pick another preset"
+                    f"bytes_like={bytes_like!r}: layer {layer} cannot hold {cfg.k_bits}-bit keys "
+                    f"and {cfg.v_bits}-bit values; pick another preset"
                 )
             total, kl = total + match[0][1], kl + match[0][2]
         preset = {"name": bytes_like, "tile_bytes": total, "predicted_kl": kl}
@@ -188,12 +197,14 @@ def choose(p, shapes, bytes_like=None, max_kl=None) -> Mix:
             )
         budget = int(np.argmax(best <= max_kl))
         chosen, _ = allocate(scaled, budget)
-    widths, total, kl = {}, 0, 0.0
-    for ((layer, side), opts), i in zip(groups, chosen):
-        w, c, k = opts[i]
-        widths.setdefault(layer, {})[side] = w
+    widths, fp8, total, kl = {}, set(), 0, 0.0
+    for (layer, opts), i in zip(groups, chosen):
+        (kw, vw, one_byte), c, k = opts[i]
+        widths[layer] = (kw, vw)
+        if one_byte:
+            fp8.add(layer)
         total, kl = total + c, kl + k
-    return Mix({l: (d["k"], d["v"]) for l, d in widths.items()}, total, kl, G, target, preset or {})
+    return Mix(widths, frozenset(fp8), total, kl, G, target, preset or {})
 
 
 def preset_kl(p, config):
@@ -201,7 +212,7 @@ def preset_kl(p, config):
     layer's key and value KLs at its widths), or None when the profile was measured
     with other settings (tile size, sink, rotation, ...) or a layer cannot hold
     those widths."""
-    if profiles.settings_config(p["settings"], config.k_bits, config.v_bits) != config:
+    if settings_config(p["settings"], config.k_bits, config.v_bits) != config:
         return None
     widths = {"k": str(config.k_bits), "v": str(config.v_bits)}
     kls = [e[side].get(widths[side]) for e in p["layers"] for side in profiles.SIDES]
@@ -217,5 +228,7 @@ def from_profile(model, p, kvarn_layers, shapes, bytes_like=None, max_kl=None, w
         mix = choose(p, shapes, bytes_like=bytes_like, max_kl=max_kl)
     except ValueError as e:
         raise ProfileError(f"{where}: {e}") from None
-    configs = {l: profiles.settings_config(p["settings"], k, v) for l, (k, v) in mix.widths.items()}
+    configs = {
+        l: settings_config(p["settings"], k, v, l in mix.fp8) for l, (k, v) in mix.widths.items()
+    }
     return mix, configs

@@ -8,8 +8,11 @@ key and value width, measured by `python -m kvarn_mlx.calibrate`, as JSON.
 A profile holds, per layer that make_cache turns into a KVarNCache, the mean KL
 to the plain cache when only that layer's keys (or only its values) are
 quantized at each width ("k": {"2": kl, ...}, "v": {...}; null where the
-layer's head dim cannot hold that width). Every failure is a ProfileError
-whose message names the problem and the fix.
+layer's head dim cannot hold that width). A profile may also measure the
+narrow widths with one-byte (e4m3) scales ("fp8_widths", and per layer
+"k_fp8", "v_fp8"): a layer stored that way is cheaper, which is what lets a
+mix at the narrowest preset's bytes widen some other layer. Every failure is a
+ProfileError whose message names the problem and the fix.
 """
 
 import hashlib
@@ -23,7 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .atomic_json import check_target, write_json
-from .config import SUPPORTED_BITS, KVarNConfig
+from .config import FP8_MAX_BITS, SUPPORTED_BITS, KVarNConfig
 
 FORMAT = "kvarn-mlx-profile"
 FORMAT_VERSION = 1
@@ -63,9 +66,21 @@ def fingerprint(model) -> str:
     return h.hexdigest()[:32]
 
 
-def settings_config(settings, k_bits, v_bits) -> KVarNConfig:
-    """The KVarNConfig of widths k_bits/v_bits with a profile's settings."""
-    return KVarNConfig(k_bits=k_bits, v_bits=v_bits, **{k: settings[k] for k in SETTINGS})
+def settings_config(settings, k_bits, v_bits, fp8=False) -> KVarNConfig:
+    """The KVarNConfig of widths k_bits/v_bits with a profile's settings
+    (fp8: with one-byte scales instead of the profile's scale dtype)."""
+    c = KVarNConfig(k_bits=k_bits, v_bits=v_bits, **{k: settings[k] for k in SETTINGS})
+    return replace(c, scale_dtype="fp8") if fp8 else c
+
+
+def fp8_widths(p) -> list:
+    """The widths profile p measured with one-byte scales too (may be none)."""
+    return p.get("fp8_widths") or []
+
+
+def measured(entry, side, fp8=False) -> dict:
+    """One layer's {width: KL} for keys ("k") or values ("v"), with one-byte scales if fp8."""
+    return entry[side + "_fp8" if fp8 else side]
 
 
 # -- reading -------------------------------------------------------------------------
@@ -122,6 +137,14 @@ def validate(p, where="the profile"):
         settings_config(settings, widths[0], widths[0])
     except (TypeError, ValueError) as e:
         bad(f"settings are not a KVarN setting ({e})")
+    fp8 = p.get("fp8_widths", [])
+    if not isinstance(fp8, list):
+        bad("fp8_widths must be a list of widths")
+    for w in fp8:
+        if w not in SUPPORTED_BITS or isinstance(w, bool) or w > FP8_MAX_BITS:
+            bad(f"fp8 width {w!r}: one-byte scales take widths of 2 to {FP8_MAX_BITS} bits")
+    if fp8 and settings["scale_dtype"] == "fp8":
+        bad("fp8_widths in a profile whose settings already store one-byte scales")
     layers = p.get("layers")
     if not isinstance(layers, list) or not layers:
         bad("no layers")
@@ -132,28 +155,33 @@ def validate(p, where="the profile"):
             bad(f"layer entry {entry!r} has no index, or a repeated one")
         seen.add(i)
         for side in SIDES:
-            kls = entry.get(side)
-            if not isinstance(kls, dict):
-                bad(f"layer {i} has no {side!r} measurements")
-            for key in kls:
-                if not key.isdigit() or int(key) not in SUPPORTED_BITS:
-                    bad(
-                        f"layer {i} {side!r}: width {key!r} is not one KVarN supports "
-                        f"({', '.join(map(str, SUPPORTED_BITS))})"
-                    )
-            for w in widths:
-                kl = kls.get(str(w), "missing")
-                if kl == "missing":
-                    bad(f"layer {i} {side!r} has no measurement at width {w}")
-                if kl is not None and (
-                    not isinstance(kl, (int, float))
-                    or isinstance(kl, bool)
-                    or not math.isfinite(kl)
-                    or kl < 0
-                ):
-                    bad(f"layer {i} {side!r} width {w}: KL {kl!r} is not a number >= 0")
-            if all(kls[str(w)] is None for w in widths):
-                bad(f"layer {i} {side!r} has no width it can hold")
+            _check_kls(bad, f"layer {i} {side!r}", entry.get(side), widths)
+            if fp8:
+                _check_kls(bad, f"layer {i} {side + '_fp8'!r}", entry.get(side + "_fp8"), fp8)
+
+
+def _check_kls(bad, what, kls, widths):
+    if not isinstance(kls, dict):
+        bad(f"{what}: no measurements")
+    for key in kls:
+        if not key.isdigit() or int(key) not in SUPPORTED_BITS:
+            bad(
+                f"{what}: width {key!r} is not one KVarN supports "
+                f"({', '.join(map(str, SUPPORTED_BITS))})"
+            )
+    for w in widths:
+        kl = kls.get(str(w), "missing")
+        if kl == "missing":
+            bad(f"{what} has no measurement at width {w}")
+        if kl is not None and (
+            not isinstance(kl, (int, float))
+            or isinstance(kl, bool)
+            or not math.isfinite(kl)
+            or kl < 0
+        ):
+            bad(f"{what} width {w}: KL {kl!r} is not a number >= 0")
+    if all(kls[str(w)] is None for w in widths):
+        bad(f"{what} has no width it can hold")
 
 
 def check_model(p, model, layers, where="the profile"):

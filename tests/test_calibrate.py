@@ -97,7 +97,7 @@ def test_profile_holds_every_layer_side_and_width(llama, llama_profile):
     p = llama_profile
     assert p["format"] == P.FORMAT and p["format_version"] == P.FORMAT_VERSION
     assert p["mode"] == "replay"
-    assert p["widths"] == [2, 3, 4, 5, 6, 8]
+    assert p["widths"] == [2, 3, 4, 5, 6, 8] and p["fp8_widths"] == [2, 3, 4]
     assert [e["layer"] for e in p["layers"]] == [0, 1]
     assert p["model"]["fingerprint"] == P.fingerprint(llama)
     assert p["text"]["tokens"] == 384 and p["text"]["measured_positions"] == [256, 383]
@@ -106,6 +106,10 @@ def test_profile_holds_every_layer_side_and_width(llama, llama_profile):
             kl = e[side]
             assert set(kl) == {"2", "3", "4", "5", "6", "8"}
             assert kl["2"] > kl["4"] > kl["8"] >= 0
+            one_byte = e[side + "_fp8"]  # the same widths with e4m3 scales: close, not equal
+            assert set(one_byte) == {"2", "3", "4"}
+            assert one_byte["2"] > one_byte["4"] > 0
+            assert one_byte["2"] != kl["2"] and one_byte["2"] == pytest.approx(kl["2"], rel=0.5)
 
 
 def test_profile_round_trip(tmp_path, llama_profile):
@@ -132,6 +136,8 @@ def test_calibrate_cli_refuses_bad_arguments_before_loading(tmp_path):
         C.main(["--out", str(other)])
     with pytest.raises(SystemExit, match="--widths 2,7"):
         C.main(["--out", str(tmp_path / "p.json"), "--widths", "2,7"])
+    with pytest.raises(SystemExit, match="--fp8-widths 2,5: use some of 2, 3, 4"):
+        C.main(["--out", str(tmp_path / "p.json"), "--fp8-widths", "2,5"])
     assert not (tmp_path / "p.json").exists()
 
 
@@ -144,16 +150,30 @@ def test_calibrate_refuses_a_measure_window_without_quantized_tiles(llama, text_
 
 @pytest.mark.slow
 def test_embedded_model_profile_drives_make_cache(tmp_path):
-    """The CLI on the embedded SmolLM2 (two widths, a short text): replayed, and
-    its profile gives make_cache per-layer widths for that model only."""
+    """The CLI on the embedded SmolLM2 (two widths, with one-byte scales too; a short
+    text): replayed, and its profile gives make_cache per-layer widths for that model only."""
     from kvarn_mlx.loader import load
 
     out = tmp_path / "smollm2.json"
-    C.main(["--out", str(out), "--tokens", "512", "--measure", "256", "--widths", "2,4"])
+    C.main(
+        [
+            "--out",
+            str(out),
+            "--tokens",
+            "512",
+            "--measure",
+            "256",
+            "--widths",
+            "2,4",
+            "--fp8-widths",
+            "2,4",
+        ]
+    )
     p = P.read(out)
     assert p["mode"] == "replay" and len(p["layers"]) == 30
     model, _ = load(None)
     caches = make_cache(model, profile=str(out), bytes_like="k4v4_g128")
     assert {(c.config.k_bits, c.config.v_bits) for c in caches} <= {(2, 2), (2, 4), (4, 2), (4, 4)}
+    assert p["fp8_widths"] == [2, 4] and all(set(e["k_fp8"]) == {"2", "4"} for e in p["layers"])
     with pytest.raises(P.ProfileError, match="not on the model loaded now"):
         make_cache(tiny_model("llama64"), profile=str(out), bytes_like="auto4v2")

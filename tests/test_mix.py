@@ -47,6 +47,17 @@ def synthetic(model, seed=0, layers=None):
     }
 
 
+def with_fp8(p, cost=1.05):
+    """p with its 2-4 bit widths measured with one-byte scales too, each KL `cost` times
+    the float16-scale one (the reconstruction error fp8.py measures: within 7%)."""
+    p = copy.deepcopy(p)
+    p["fp8_widths"] = [2, 3, 4]
+    for e in p["layers"]:
+        for s in "kv":
+            e[s + "_fp8"] = {str(w): cost * e[s][str(w)] for w in (2, 3, 4)}
+    return p
+
+
 def save(tmp_path, p, name="p.json"):
     path = tmp_path / name
     path.write_text(json.dumps(p))
@@ -133,6 +144,37 @@ def test_held_bytes_of_the_mix_never_exceed_the_preset(name, models, tmp_path):
         assert widths == profile_mix(model, path, preset)[0].widths
 
 
+def test_one_byte_scales_let_a_mix_beat_the_narrowest_preset(models, tmp_path):
+    """With only float16 scales the mix at auto2's bytes is auto2 (2 bits is the narrowest
+    width); one-byte scales make some layers cheaper and pay for wider codes elsewhere:
+    less predicted KL, no more bytes held, and those layers' caches store e4m3 scales.
+    (Head dim 64: two layers' saved scale bytes pay for one side's third bit; the tiny
+    models with wider heads have too few layers to.)"""
+    model = models["llama64"]
+    p = synthetic(model)
+    shapes = integration.quantizable_layers(model)[1]
+    plain = M.choose(p, shapes, bytes_like="auto2")
+    assert set(plain.widths.values()) == {(2, 2)} and not plain.fp8
+    assert plain.predicted_kl == pytest.approx(plain.budget["predicted_kl"])
+    m = M.choose(with_fp8(p), shapes, bytes_like="auto2")
+    assert m.fp8 and any(max(w) > 2 for w in m.widths.values())
+    assert m.predicted_kl < 0.9 * m.budget["predicted_kl"]
+    assert m.tile_bytes <= m.budget["tile_bytes"]
+    path = save(tmp_path, with_fp8(p))
+    mixed, preset = make_cache(model, profile=path, bytes_like="auto2"), make_cache(model, "auto2")
+    x = (mx.arange(700) % 200)[None]
+    model(x, cache=mixed)
+    model(x, cache=preset)
+    assert memory.cache_bytes(mixed)["held"] <= memory.cache_bytes(preset)["held"]
+    for i, c in enumerate(mixed):
+        if isinstance(c, KVarNCache):
+            assert (c.config.scale_dtype == "fp8") == (i in m.fp8)
+            assert (c.config.k_bits, c.config.v_bits) == m.widths[i]
+    assert "/fp8" in m.describe() and any("/fp8" in w for w in m.summary()["widths"].values())
+    # an expensive fp8 (KL 3x float16's) is not worth its saved bytes at auto4v2's
+    assert not M.choose(with_fp8(p, cost=3.0), shapes, bytes_like="auto4v2").fp8
+
+
 def test_tile_bytes_are_those_a_real_cache_holds():
     cfg = get_preset("k4v2_g128")
     kb, vb = M.tile_bytes(cfg, 2, 64, mx.float16)
@@ -171,6 +213,12 @@ def test_refusals_come_before_any_cache_is_built(models, tmp_path, monkeypatch):
     narrow["layers"][1]["v"]["1"] = 0.5
     negative = copy.deepcopy(good)
     negative["layers"][0]["k"]["4"] = -1
+    fp8_wide = with_fp8(good)
+    fp8_wide["fp8_widths"] = [2, 5]
+    fp8_missing = with_fp8(good)
+    del fp8_missing["layers"][1]["v_fp8"]
+    fp8_twice = with_fp8(good)
+    fp8_twice["settings"]["scale_dtype"] = "fp8"
 
     def built(*a, **k):
         raise AssertionError("a KVarNCache was built before the profile was refused")
@@ -182,6 +230,9 @@ def test_refusals_come_before_any_cache_is_built(models, tmp_path, monkeypatch):
         (save(tmp_path, wide, "w.json"), "width 7 is not one KVarN supports"),
         (save(tmp_path, narrow, "n.json"), "width '1' is not one KVarN supports"),
         (save(tmp_path, negative, "neg.json"), "is not a number >= 0"),
+        (save(tmp_path, fp8_wide, "f1.json"), "fp8 width 5: one-byte scales take widths of 2 to 4"),
+        (save(tmp_path, fp8_missing, "f2.json"), "layer 1 'v_fp8': no measurements"),
+        (save(tmp_path, fp8_twice, "f3.json"), "already store one-byte scales"),
         (str(tmp_path / "absent.json"), "no profile file"),
         (save(tmp_path, {"format": "x"}, "x.json"), "not a kvarn-mlx profile"),
     ]
