@@ -8,8 +8,8 @@ measured text was not used for calibration.
 
     python -m kvarn_mlx.calibrate --out benchmarks/results/profile_smollm2.json
     P=benchmarks/results/profile_smollm2.json
-    python -m kvarn_mlx.eval --tag mixed_smollm2 --attention packed fidelity --contexts 1024,4096 \\
-        --methods auto2,auto4v2,$P@auto2,$P@auto4v2
+    python -m kvarn_mlx.eval --tag mixed_smollm2 --attention packed fidelity \\
+        --contexts 1024,4096,16384 --methods auto2,auto4v2,$P@auto2,$P@auto4v2
     python benchmarks/mixed_widths.py --profile benchmarks/results/profile_smollm2.json \\
         --fidelity benchmarks/results/fidelity_mixed_smollm2.json --tag smollm2
 

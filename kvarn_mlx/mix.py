@@ -6,9 +6,9 @@ where the profile measured them, one-byte scales for that layer) that minimize
 the predicted KL at those bytes. The prediction assumes the layers' and sides'
 KLs add up: predicted KL = the sum of the measured KLs of each layer's key
 width and value width (each measured with only that side of that layer
-quantized, with that layer's scales). Tile bytes per token per layer and side come from the
-arrays a real KVarNCache of that layer's shape holds (sink and tail are the
-same for every width, so they do not enter the choice).
+quantized, with that layer's scales). Tile bytes per token per layer and side
+come from the arrays a real KVarNCache of that layer's shape holds (sink and
+tail are the same for every width, so they do not enter the choice).
 
 The choice is exact: a multiple-choice knapsack solved by dynamic programming
 over the bytes, so the mix at a preset's bytes never holds more than the
