@@ -376,32 +376,30 @@ def calibrate(
                 f"({err}); measuring with whole passes (slower)"
             )
             mode = "whole"
-    variants = []  # (layer, result key, width, config or None when the layer cannot hold it)
+    variants = []  # (layer, side, fp8, width, config or None when the layer cannot hold it)
     for l in layers:
         _, D, _, _ = shapes[l]
         for fp8, ws in ((False, widths), (True, fp8_widths)):
             for side in profiles.SIDES:
                 for w in ws:
                     cfg = variant_config(base, side, w, fp8)
-                    key = side + "_fp8" if fp8 else side
-                    variants.append((l, key, w, None if cannot_hold(cfg, D, D) else cfg))
-    results = {(l, v[1]): {} for v in variants for l in [v[0]]}
-    todo = [v for v in variants if v[3] is not None]
-    for l, key, w, cfg in variants:
-        if cfg is None:
-            results[l, key][str(w)] = None
+                    variants.append((l, side, fp8, w, None if cannot_hold(cfg, D, D) else cfg))
+    results = {l: {} for l in layers}  # layer -> profiles.side_key -> {width: KL}
+    for l, side, fp8, w, _ in variants:
+        results[l].setdefault(profiles.side_key(side, fp8), {})[str(w)] = None
+    todo = [v for v in variants if v[4] is not None]
     bar = Progress(len(todo), "measurements")
     for l in layers:
         mine = [v for v in todo if v[0] == l]
         for k in range(0, len(mine), batch if mode == "replay" else 1):
             group = mine[k : k + batch]
-            rows = [OneSideCache(cfg, key[0]) for _, key, _, cfg in group]
+            rows = [OneSideCache(cfg, side) for _, side, _, _, cfg in group]
             if mode == "replay":
                 kls = measure_replayed(model, rec, l, rows, first_read)
             else:
                 kls = [measure_whole(model, rec, l, rows[0])]
-            for (_, key, w, _), kl in zip(group, kls):
-                results[l, key][str(w)] = max(0.0, float(kl))
+            for (_, side, fp8, w, _), kl in zip(group, kls):
+                results[l][profiles.side_key(side, fp8)][str(w)] = max(0.0, float(kl))
             bar.step(len(group))
     identity = dict(identity or {})
     identity["fingerprint"] = profiles.fingerprint(model)
@@ -423,10 +421,7 @@ def calibrate(
         "fp8_widths": fp8_widths,
         "kl": "mean KL(plain || this) in nats per measured position, "
         "only this layer's side quantized (k_fp8, v_fp8: with one-byte scales)",
-        "layers": [
-            {"layer": l, **{key: res for (j, key), res in results.items() if j == l}}
-            for l in layers
-        ],
+        "layers": [{"layer": l, **results[l]} for l in layers],
         "mode": mode,
         "seconds": round(time.time() - t0, 1),
     }

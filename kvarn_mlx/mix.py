@@ -136,14 +136,19 @@ def _options(p, shapes):
         for fp8, widths in ((False, p["widths"]), (True, profiles.fp8_widths(p))):
             if not widths:
                 continue
-            k_kls, v_kls = (profiles.measured(e, side, fp8) for side in profiles.SIDES)
-            for kw in widths:
-                for vw in widths:
-                    if k_kls[str(kw)] is None or v_kls[str(vw)] is None:
-                        continue
-                    kb, _ = tile_bytes(settings_config(settings, kw, kw, fp8), heads, k_dim, dtype)
-                    _, vb = tile_bytes(settings_config(settings, vw, vw, fp8), heads, v_dim, dtype)
-                    opts.append(((kw, vw, fp8), kb + vb, k_kls[str(kw)] + v_kls[str(vw)]))
+            side_opts = {}  # per side, (width, tile bytes, kl) at the widths the layer holds
+            for i, (side, dim) in enumerate(zip(profiles.SIDES, (k_dim, v_dim))):
+                kls = profiles.measured(e, side, fp8)
+                side_opts[side] = [
+                    (w, tile_bytes(settings_config(settings, w, w, fp8), heads, dim, dtype)[i], kl)
+                    for w in widths
+                    if (kl := kls[str(w)]) is not None
+                ]
+            opts += [
+                ((kw, vw, fp8), kb + vb, k_kl + v_kl)
+                for kw, kb, k_kl in side_opts["k"]
+                for vw, vb, v_kl in side_opts["v"]
+            ]
         groups.append((e["layer"], opts))
     return groups
 

@@ -78,9 +78,14 @@ def fp8_widths(p) -> list:
     return p.get("fp8_widths") or []
 
 
+def side_key(side, fp8=False) -> str:
+    """The field of a layer entry holding one side's KLs: "k", "v", "k_fp8" or "v_fp8"."""
+    return side + "_fp8" if fp8 else side
+
+
 def measured(entry, side, fp8=False) -> dict:
     """One layer's {width: KL} for keys ("k") or values ("v"), with one-byte scales if fp8."""
-    return entry[side + "_fp8" if fp8 else side]
+    return entry[side_key(side, fp8)]
 
 
 # -- reading -------------------------------------------------------------------------
@@ -157,7 +162,8 @@ def validate(p, where="the profile"):
         for side in SIDES:
             _check_kls(bad, f"layer {i} {side!r}", entry.get(side), widths)
             if fp8:
-                _check_kls(bad, f"layer {i} {side + '_fp8'!r}", entry.get(side + "_fp8"), fp8)
+                key = side_key(side, True)
+                _check_kls(bad, f"layer {i} {key!r}", entry.get(key), fp8)
 
 
 def _check_kls(bad, what, kls, widths):
