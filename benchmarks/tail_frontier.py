@@ -33,11 +33,13 @@ from kvarn_mlx.loader import load  # noqa: E402
 
 
 def split(method):
-    """(preset, tail tokens) of PRESET+tailN (N = 0 without the variant); None for fp."""
+    """(preset, tail tokens) of PRESET+tailN (N = 0 without the variant); None for fp.
+    A calibrated mix (PROFILE.json@PRESET) shows as mix@PRESET."""
     if method == "fp":
         return None
     m = re.fullmatch(r"(.+?)(?:\+tail(\d+))?", method)
-    return m.group(1), int(m.group(2) or 0)
+    preset = re.sub(r"^.+\.json@", "mix@", m.group(1))
+    return preset, int(m.group(2) or 0)
 
 
 def float16_bytes_per_token(model, method, tokens, chunk=4096):

@@ -152,3 +152,11 @@ def test_tail_frontier_end_to_end(tmp_path):
     assert by[128, 384]["bytes_per_token"] < by[256, 384]["bytes_per_token"]
     assert by[0, 384]["long"][1024] < by[128, 384]["long"][1024]
     assert (out / "tail_t.md").exists() and (out / "tail_frontier_t.png").exists()
+
+
+def test_tail_frontier_reads_method_names():
+    split = load_benchmark("tail_frontier").split
+    assert split("fp") is None
+    assert split("auto4v2") == ("auto4v2", 0)
+    assert split("auto4v2+tail128") == ("auto4v2", 128)
+    assert split("benchmarks/results/profile_smollm2.json@auto2") == ("mix@auto2", 0)
