@@ -14,7 +14,8 @@ measured text was not used for calibration.
         --fidelity benchmarks/results/fidelity_mixed_smollm2.json --tag smollm2
 
 Fidelity runs may be split (presets in one, mixes in another): every --fidelity
-file's rows are read; the plain cache's reference is the same in each.
+file's rows are read, but a mix only if it is --profile's (the profile predicts its
+own mixes only); the plain cache's reference is the same in each.
 """
 
 import argparse
@@ -70,7 +71,8 @@ def main():
         d = json.loads(Path(f).read_text())
         commands.append(d["meta"]["command"])
         for r in d["result"]["rows"]:
-            if r["method"] != "fp":
+            target = profile_method(r["method"])
+            if r["method"] != "fp" and (target is None or target[0] == args.profile):
                 rows.setdefault(r["method"], {})[r["context"]] = r
     contexts = sorted({c for v in rows.values() for c in v})
     out = []
