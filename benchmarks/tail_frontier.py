@@ -54,15 +54,17 @@ def float16_bytes_per_token(model, method, tokens, chunk=4096):
 
 
 def collect(runs, model, long_contexts, methods=None):
-    """Points of the first run's contexts (other runs add rows at those contexts)."""
+    """Points of the first run's contexts (other runs add rows at those contexts; a
+    method's row at a context is the first run's that has it)."""
     contexts = {r["context"] for r in runs[0]["result"]["rows"]}
-    rows = [
-        r
-        for run in runs
-        for r in run["result"]["rows"]
-        if r["context"] in contexts
-        and (methods is None or r["method"] in methods or r["method"] == "fp")
-    ]
+    first = {}
+    for run in runs:
+        for r in run["result"]["rows"]:
+            if r["context"] in contexts and (
+                methods is None or r["method"] in methods or r["method"] == "fp"
+            ):
+                first.setdefault((r["method"], r["context"]), r)
+    rows = list(first.values())
     points = []
     for L in sorted({r["context"] for r in rows}):
         plain = float16_bytes_per_token(model, "fp", L)
