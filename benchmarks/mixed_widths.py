@@ -15,7 +15,8 @@ measured text was not used for calibration.
 
 Fidelity runs may be split (presets in one, mixes in another): every --fidelity
 file's rows are read, but a mix only if it is --profile's (the profile predicts its
-own mixes only); the plain cache's reference is the same in each.
+own mixes only), and a method's row at a context is the first file's that has it
+(as in tail_frontier.py); the plain cache's reference is the same in each.
 """
 
 import argparse
@@ -73,7 +74,7 @@ def main():
         for r in d["result"]["rows"]:
             target = profile_method(r["method"])
             if r["method"] != "fp" and (target is None or target[0] == args.profile):
-                rows.setdefault(r["method"], {})[r["context"]] = r
+                rows.setdefault(r["method"], {}).setdefault(r["context"], r)
     contexts = sorted({c for v in rows.values() for c in v})
     out = []
     for method, by_ctx in rows.items():

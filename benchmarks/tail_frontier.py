@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.frontier import kl_vs_bytes_axes, layer_shapes, plotted_kl  # noqa: E402
-from kvarn_mlx.eval.methods import cache_bytes, make_caches  # noqa: E402
+from kvarn_mlx.eval.methods import cache_bytes, make_caches, profile_method  # noqa: E402
 from kvarn_mlx.eval.runner import meta_markdown, metadata, pyplot, write_results  # noqa: E402
 from kvarn_mlx.loader import load  # noqa: E402
 
@@ -38,7 +38,9 @@ def split(method):
     if method == "fp":
         return None
     m = re.fullmatch(r"(.+?)(?:\+tail(\d+))?", method)
-    preset = re.sub(r"^.+\.json@", "mix@", m.group(1))
+    preset = m.group(1)
+    if profile_method(preset):
+        preset = "mix@" + preset.rpartition("@")[2]
     return preset, int(m.group(2) or 0)
 
 
