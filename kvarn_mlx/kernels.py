@@ -275,7 +275,7 @@ def _check_tiles(tiles, k_bits, v_bits):
 
 def _rows_per_group(R, D, G):
     rc = min(R, 8)
-    while rc > 1 and 4 * (rc * D + 3 * rc * G + 2 * rc) > _TG_MEM - 1024:
+    while rc > 1 and 4 * (2 * rc * D + 3 * rc * G + 2 * rc) > _TG_MEM - 1024:  # QR, QA; SS, PA, PB
         rc //= 2
     return rc
 
@@ -308,11 +308,6 @@ def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None)
             memo.calls[key] = call
     if own_lens:
         row_lens = _lengths(call.plan.head[0], S, Tn)
-    qf = q.astype(mx.float32)
-    if call.flags is not None:  # per kv head
-        qr = mx.where(call.flags, mx.hadamard_transform(qf), qf)
-    else:
-        qr = mx.hadamard_transform(qf) if view.rotate_k else qf
     plan = call.plan
     k1 = _kernel(
         "kvarn_attention_split",
@@ -321,7 +316,15 @@ def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None)
         "attention_split.metal",
     )
     o_part, m_part, l_part = k1(
-        inputs=[qf, qr, *call.fixed, *call.recent(view), call.params, row_lens, _scalar(scale)],
+        inputs=[
+            q,
+            call.rot_k,
+            *call.fixed,
+            *call.recent(view),
+            call.params,
+            row_lens,
+            _scalar(scale),
+        ],
         template=plan.split_template,
         grid=plan.split_grid,
         threadgroup=(_ATT_THREADS, 1, 1),
@@ -371,8 +374,7 @@ class _Call:
             self._dense(view.sink_v, S),
             *view.tiles.arrays(),
         )
-        rot = view.rotate_k
-        self.flags = _query_flags(rot, q.shape) if isinstance(rot, mx.array) else None
+        self.rot_k = _rotation_flags(view.rotate_k, q.shape[0], view.sink_k.shape[1])
 
     def _dense(self, x, n):
         if n == 0:
@@ -453,7 +455,7 @@ def _plan(q, view, kv_dtype, causal):
 
 _SPLIT_INPUTS = [
     "q",
-    "qr",
+    "rot_k",
     "sink_k",
     "sink_v",
     "k_words",
@@ -487,22 +489,22 @@ def _lengths(n_tiles, S, Tn):
     return _lens[key]
 
 
-def _query_flags(rot, shape):
-    """A layer's per-kv-head key rotation flags rot [H] (or a batch's [B, H]) spread over queries of
-    this shape [B, Hq, L, D]; built once per flag array (lazily: the first step
-    computes it, later steps read it)."""
-    key = (id(rot), tuple(shape))
+def _rotation_flags(rot, B, H):
+    """Whether each (batch row, kv head) bh's keys are stored rotated, int32 [B*H], from a
+    cache's rotate_k (a bool, a bool per kv head [H], or a batch's [B, H]); made once per
+    flag array (lazily: the first step computes it, later steps read it)."""
+    if not isinstance(rot, mx.array):
+        key = ("rot", bool(rot), B * H)
+        if key not in _constants:
+            _constants[key] = _evaluated(mx.full((B * H,), int(bool(rot)), mx.int32))
+        return _constants[key]
+    key = (id(rot), B, H)
     hit = _flags.get(key)
     if hit is None or hit[0] is not rot:
         if len(_flags) > 4096:  # flags of caches long gone
             _flags.clear()
-        B, Hq, L, D = shape
-        lead, H = (
-            (rot.shape[0], rot.shape[1]) if rot.ndim == 2 else (1, rot.size)
-        )  # [B, H]: a batch's
-        flags = mx.repeat(rot.reshape(lead, H), Hq // H, axis=1).reshape(lead, Hq, 1, 1)
-        flags = mx.broadcast_to(flags, shape)
-        hit = _flags[key] = (rot, flags)
+        flags = rot.astype(mx.int32).reshape(-1, H)
+        hit = _flags[key] = (rot, mx.broadcast_to(flags, (B, H)).reshape(B * H))
     return hit[1]
 
 

@@ -10,7 +10,9 @@
 // writes its own running max m, sum l and unnormalized output o (float32);
 // attention_combine.metal merges them.
 //
-// inputs:  q, qr [BH*R, D] float32 (unrotated / rotated queries)
+// inputs:  q [BH*R, D] (the queries, any float dtype); rot_k int32 [BH]: whether the keys
+//          of (batch row, kv head) bh are stored rotated (the tile splits then score with
+//          the rotated query, H q / sqrt(D), made here: no rotated copy in device memory)
 //          sink_k, sink_v [BH, S, D] T; tail_k, tail_v [BH, Tn, D] T
 //          tile storage, tile-major (tiles [0, n_tiles) are read; the rest is room):
 //          k_words [NCAP, BH, D, G*KB/32] uint32; k_a, k_b [NCAP, BH, D] SC; k_t [NCAP, BH, G] SC
@@ -39,6 +41,7 @@ constexpr int KW = G * KB / 32;      // words per channel row of a K tile
 constexpr int VW = D * VB / 32;      // words per token row of a V tile
 constexpr uint KMASK = (1u << KB) - 1u, VMASK = (1u << VB) - 1u;
 
+threadgroup float QR[RC * D];  // tile splits: the query rows as the tiles' keys are stored
 threadgroup float QA[RC * D];  // query rows with the tile's per-channel scale a_k folded in
 threadgroup float QB[RC];      // sum_d q[d] * b_k[d]
 threadgroup float SS[RC * G];  // scores of the current block
@@ -85,6 +88,34 @@ float o[RC][CPT];
 for (int r = 0; r < RC; r++)
   for (int j = 0; j < CPT; j++) o[r][j] = 0.0f;
 
+// ---- tile splits: the query rows in the keys' space, rotated when bh's keys are
+// (the normalized Sylvester Hadamard transform, as mx.hadamard_transform; log2 D
+// in-place butterfly stages, one pair (lo, lo + h) per thread per step)
+if (!dense) {
+  for (int idx = tid; idx < RC * D; idx += NTH) {
+    const int row = row0 + idx / D;
+    QR[idx] = row < R ? float(q[(size_t(bh) * R + row) * D + idx % D]) : 0.0f;
+  }
+  if (rot_k[bh]) {
+    for (int h = 1; h < D; h <<= 1) {
+      // Barrier: the load (or the previous stage) is complete before this stage reads.
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (int p = tid; p < RC * D / 2; p += NTH) {
+        const int j = p % (D / 2);
+        const int lo = (p / (D / 2)) * D + (j / h) * 2 * h + j % h;
+        const float a = QR[lo], b = QR[lo + h];
+        QR[lo] = a + b;
+        QR[lo + h] = a - b;
+      }
+    }
+    // Barrier: the last stage is complete before the rows are scaled.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int idx = tid; idx < RC * D; idx += NTH) QR[idx] *= metal::rsqrt(float(D));
+  }
+  // Barrier: QR is complete before any thread reads it (block A below).
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
 for (int blk = 0; blk < nblk; blk++) {
   // block geometry: tile index n (packed) or dense rows [base, base+cnt)
   const int n = first + blk;
@@ -97,15 +128,14 @@ for (int blk = 0; blk < nblk; blk++) {
   for (int idx = tid; idx < RC * D; idx += NTH) {
     const int r = idx / D, d = idx % D;
     const int row = row0 + r;
-    float qv = 0.0f;
-    if (row < R) qv = dense ? q[(size_t(bh) * R + row) * D + d] : qr[(size_t(bh) * R + row) * D + d];
-    QA[idx] = dense ? qv : qv * kvarn_scale(k_a[tb * D + d]);
+    if (dense) QA[idx] = row < R ? float(q[(size_t(bh) * R + row) * D + d]) : 0.0f;
+    else QA[idx] = QR[idx] * kvarn_scale(k_a[tb * D + d]);
   }
   if (int(sg) < RC) {
     const int row = row0 + int(sg);
     float s = 0.0f;
     if (!dense && row < R)
-      for (int d = lane; d < D; d += 32) s += qr[(size_t(bh) * R + row) * D + d] * kvarn_scale(k_b[tb * D + d]);
+      for (int d = lane; d < D; d += 32) s += QR[sg * D + d] * kvarn_scale(k_b[tb * D + d]);
     s = simd_sum(s);
     if (lane == 0) QB[sg] = s;
   }
