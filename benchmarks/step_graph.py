@@ -18,7 +18,8 @@ output does not depend on (the keys and values update_and_fetch returns, when
 packed attention reads the tiles instead) cost host time but no primitives.
 
 Host build: the seconds of the model call of one decode step, before anything is
-evaluated (median over the steps). Needs a quiet machine. On the ops path the steps
+evaluated (median over the steps). Needs a quiet machine, or `--clock thread`
+(the thread's CPU time: ratios hold on a busy machine). On the ops path the steps
 are measured after an uncounted pass of the same steps, which makes mx.compile's
 traces of their shapes (made once per process and shape, as a long generation
 does at its first steps and commits).
@@ -184,9 +185,9 @@ def n_tiles(caches):
     return sum(r.n_tiles for r in rows if isinstance(r, KVarNCache))
 
 
-def run(model, methods, ctx, steps, count=True, rows=0):
+def run(model, methods, ctx, steps, count=True, rows=0, clock=time.perf_counter):
     """Per method: [(primitives, Counter, build seconds, committed, step seconds)] of each
-    measured step (step: build and evaluation, the counting left out)."""
+    measured step (step: build and evaluation, the counting left out), timed by clock."""
     all_caches = [make_filled(model, m, ctx, rows) for m in methods]
     waiting_tiles._local.waiting = []
     toks = [mx.array([[1]] * max(rows, 1)) for _ in methods]
@@ -198,15 +199,15 @@ def run(model, methods, ctx, steps, count=True, rows=0):
         for j, caches in enumerate(all_caches):
             before = n_tiles(caches)
             waiting_tiles._local.waiting = waiting[j]
-            t0 = time.perf_counter()
+            t0 = clock()
             y = model(toks[j], cache=caches)
             toks[j] = mx.argmax(y[:, -1:], axis=-1)
-            built = time.perf_counter() - t0
+            built = clock() - t0
             waiting[j] = waiting_tiles._local.waiting
             n, names = primitives(toks[j]) if count else (0, Counter())
-            t1 = time.perf_counter()
+            t1 = clock()
             mx.eval(toks[j])
-            step = built + time.perf_counter() - t1  # the step's build and evaluation
+            step = built + clock() - t1  # the step's build and evaluation
             if i >= WARMUP:
                 out[j].append((n, names, built, n_tiles(caches) > before, step))
     return out
@@ -326,6 +327,14 @@ def main(argv=None):
     p.add_argument(
         "--counts-only", action="store_true", help="leave the host build times out of the markdown"
     )
+    p.add_argument(
+        "--clock",
+        choices=("wall", "thread"),
+        default="wall",
+        help="time with the wall clock (default) or the thread's CPU time: on a busy "
+        "machine the latter leaves out waiting for a core, as Python builds the graph on "
+        "one thread (a step's evaluation is then only its CPU time on this thread)",
+    )
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="suffix for the output files (step_graph_<tag>.md)")
     p.add_argument("--quick", action="store_true", help=f"tiny run for CI: {QUICK}")
@@ -341,6 +350,7 @@ def main(argv=None):
         p.error(f"--paths: {bad} not in {PATHS}")
     from kvarn_mlx.loader import load
 
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     model, _ = load(args.model)
     rows = []
     for path in paths:
@@ -350,8 +360,8 @@ def main(argv=None):
                 # are made at a shape's first call: a long generation makes them at its
                 # first steps and commits, so an uncounted pass makes them first.
                 if path == "ops":
-                    run(model, methods, ctx, args.steps, count=False, rows=args.rows)
-                measured = run(model, methods, ctx, args.steps, rows=args.rows)
+                    run(model, methods, ctx, args.steps, False, args.rows, clock)
+                measured = run(model, methods, ctx, args.steps, True, args.rows, clock)
             for m, steps in zip(methods, measured):
                 rows.append(summarize(path, ctx, m, steps, args.rows))
                 r = rows[-1]

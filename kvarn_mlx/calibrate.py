@@ -34,6 +34,7 @@ import logging
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -329,8 +330,11 @@ def calibrate(
     batch=12,
     replay=True,
     identity=None,
+    checkpoint=None,
 ):
-    """The profile (a dict, profile.py's format) of this model."""
+    """The profile (a dict, profile.py's format) of this model. checkpoint: a file that
+    each measurement is appended to as it is made, and that a run with the same model,
+    text and settings takes its measurements from (an interrupted calibration resumes)."""
     base = get_preset(base)
     widths, fp8_widths = sorted(set(widths)), sorted(set(fp8_widths))
     if not widths or any(w not in SUPPORTED_BITS for w in widths):
@@ -387,7 +391,30 @@ def calibrate(
     results = {l: {} for l in layers}  # layer -> profiles.side_key -> {width: KL}
     for l, side, fp8, w, _ in variants:
         results[l].setdefault(profiles.side_key(side, fp8), {})[str(w)] = None
-    todo = [v for v in variants if v[4] is not None]
+    run = {
+        "fingerprint": profiles.fingerprint(model),
+        "text_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+        "measured_from": measure_from,
+        "chunk": chunk,
+        "settings": {k: getattr(base, k) for k in profiles.SETTINGS},
+    }
+    done = read_checkpoint(checkpoint, run)
+    if checkpoint and Path(checkpoint).exists():  # after a torn line, start a new one
+        with open(checkpoint, "rb+") as f:
+            size = f.seek(0, 2)
+            if size and f.seek(size - 1) >= 0 and f.read(1) != b"\n":
+                f.write(b"\n")
+    todo, resumed = [], 0
+    for v in variants:
+        l, side, fp8, w, cfg = v
+        kl = done.get((l, profiles.side_key(side, fp8), str(w)))
+        if kl is not None:
+            results[l][profiles.side_key(side, fp8)][str(w)] = kl
+            resumed += 1
+        elif cfg is not None:
+            todo.append(v)
+    if resumed:
+        log.info(f"calibrate: {resumed} measurements taken from the checkpoint {checkpoint}")
     bar = Progress(len(todo), "measurements")
     for l in layers:
         mine = [v for v in todo if v[0] == l]
@@ -398,8 +425,14 @@ def calibrate(
                 kls = measure_replayed(model, rec, l, rows, first_read)
             else:
                 kls = [measure_whole(model, rec, l, rows[0])]
+            lines = []
             for (_, side, fp8, w, _), kl in zip(group, kls):
-                results[l][profiles.side_key(side, fp8)][str(w)] = max(0.0, float(kl))
+                key = profiles.side_key(side, fp8)
+                results[l][key][str(w)] = max(0.0, float(kl))
+                lines.append({"run": run, "layer": l, "side": key, "width": str(w), "kl": kl})
+            if checkpoint:
+                with open(checkpoint, "a") as f:
+                    f.write("".join(json.dumps(x) + "\n" for x in lines))
             bar.step(len(group))
     identity = dict(identity or {})
     identity["fingerprint"] = profiles.fingerprint(model)
@@ -424,7 +457,41 @@ def calibrate(
         "layers": [{"layer": l, **results[l]} for l in layers],
         "mode": mode,
         "seconds": round(time.time() - t0, 1),
+        **({"resumed_measurements": resumed} if resumed else {}),
     }
+
+
+def read_checkpoint(path, run):
+    """{(layer, side key, width): KL} of the measurements a checkpoint holds for this
+    run (model, text and settings); {} for a missing file. A file that is not a
+    calibration checkpoint is refused, and a torn line (a run killed while writing
+    it) is left out."""
+    if not path:
+        return {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return {}
+    want = json.loads(json.dumps(run))
+    done = {}
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            key = (int(row["layer"]), str(row["side"]), str(row["width"]))
+            kl = max(0.0, float(row["kl"]))
+            same = row["run"] == want
+        except (ValueError, KeyError, TypeError):
+            if line.startswith('{"run": '):
+                continue  # torn: the line being written when a run stopped
+            raise ValueError(
+                f"{path}: line {i + 1} is not a calibration checkpoint's; pass a new file "
+                "(or the one an earlier calibration of this model wrote)"
+            ) from None
+        if same:
+            done[key] = kl
+    return done
 
 
 def setup_arg_parser():
@@ -485,6 +552,12 @@ def setup_arg_parser():
     p.add_argument(
         "--batch", type=int, default=12, help="measurements run together as one batch (default 12)"
     )
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="append each measurement to this file as it is made, and take the ones it "
+        "already holds for this model, text and settings (an interrupted run resumes)",
+    )
     return p
 
 
@@ -502,6 +575,7 @@ def main(argv=None):
                 "(one-byte scales suit narrow codes), or an empty string for none"
             )
         profiles.check_writable(args.out)
+        read_checkpoint(args.checkpoint, None)  # a file that is not one is refused now
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     from .loader import load
@@ -523,6 +597,7 @@ def main(argv=None):
             base=args.base,
             batch=max(1, args.batch),
             identity=identity,
+            checkpoint=args.checkpoint,
         )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None

@@ -141,6 +141,49 @@ def test_calibrate_cli_refuses_bad_arguments_before_loading(tmp_path):
     assert not (tmp_path / "p.json").exists()
 
 
+def test_checkpoint_resumes_an_interrupted_run(llama, text_file, tmp_path, monkeypatch):
+    """Each measurement is appended as it is made; a run given the checkpoint of an
+    interrupted one (cut in the middle of a line) measures only the rest, and a
+    checkpoint of other settings gives it nothing."""
+    run = dict(source=text_file, start=0, tokens=384, measure=128, chunk=128, fp8_widths=[])
+    run["widths"] = [2, 4]
+    ck = tmp_path / "full.jsonl"
+    full = C.calibrate(llama, tokenizer(), checkpoint=str(ck), **run)
+    lines = ck.read_text().splitlines()
+    assert len(lines) == 2 * 2 * 2  # layers x sides x widths
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("\n".join(lines[:5]) + "\n" + lines[5][:40])
+    rows = []
+    measure = C.measure_replayed
+    monkeypatch.setattr(
+        C,
+        "measure_replayed",
+        lambda m, rec, l, caches, f: rows.extend(caches) or measure(m, rec, l, caches, f),
+    )
+    resumed = C.calibrate(llama, tokenizer(), checkpoint=str(cut), **run)
+    assert resumed["resumed_measurements"] == 5
+    assert len(rows) == 3 + 1  # the three missing, and the replay check's plain row
+    for a, b in zip(full["layers"], resumed["layers"]):
+        for side in "kv":
+            assert b[side] == pytest.approx(a[side], rel=1e-4)
+    assert len(cut.read_text().splitlines()) == 6 + 3  # appended after the torn line
+    again = C.calibrate(llama, tokenizer(), checkpoint=str(cut), **run)
+    assert again["resumed_measurements"] == 8 and again["layers"] == resumed["layers"]
+    other = C.calibrate(llama, tokenizer(), checkpoint=str(ck), **{**run, "chunk": 64})
+    assert "resumed_measurements" not in other
+    assert len(ck.read_text().splitlines()) == 2 * 8  # both runs' lines, no blank line
+    other = C.calibrate(llama, tokenizer(), checkpoint=str(ck), **{**run, "chunk": 64})
+    assert other["resumed_measurements"] == 8
+
+
+def test_calibrate_refuses_a_file_that_is_not_a_checkpoint(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\nmore notes\n")
+    with pytest.raises(SystemExit, match="line 1 is not a calibration checkpoint"):
+        C.main(["--out", str(tmp_path / "p.json"), "--checkpoint", str(notes)])
+    assert notes.read_text() == "my notes\nmore notes\n"
+
+
 def test_calibrate_refuses_a_measure_window_without_quantized_tiles(llama, text_file):
     with pytest.raises(ValueError, match="--measure"):
         C.calibrate(
