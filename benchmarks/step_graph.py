@@ -33,6 +33,9 @@ call's inputs. The step is then evaluated on the CPU (placeholder values:
 its tokens are meaningless) so that the next step's graph starts from
 evaluated arrays, as on a Mac.
 
+`--breakdown` also times, within each build, the caches' update_and_fetch and the
+attention calls, to show where a method's extra host time goes.
+
 Caches are filled with random K/V (as benchmarks/decode_speed.py does) to
 context - warmup - 1 tokens, so that at a context of sink + n tiles the first
 measured step completes a tile in every layer and the following steps commit
@@ -53,6 +56,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models import base as mlx_base
 from mlx_lm.models import cache as mlx_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import fill  # noqa: E402
 from decode_speed import row_lengths as decode_speed_row_lengths  # noqa: E402
 
-from kvarn_mlx import dispatch, waiting_tiles  # noqa: E402
+from kvarn_mlx import dispatch, integration, waiting_tiles  # noqa: E402
 from kvarn_mlx.batch_cache import BatchKVarNCache  # noqa: E402
 from kvarn_mlx.cache import KVarNCache  # noqa: E402
 from kvarn_mlx.eval.runner import meta_markdown, metadata  # noqa: E402
@@ -146,6 +150,42 @@ def metal_graph():
         dispatch.use_metal = use_metal
 
 
+# -- where a step's build goes (--breakdown) ------------------------------------------
+
+PARTS = {"update": 0.0, "attention": 0.0}
+
+
+@contextlib.contextmanager
+def timed_parts(clock):
+    """Within the block, the time of every cache's update_and_fetch and of every
+    attention call through mlx-lm's scaled_dot_product_attention (as kvarn_mlx
+    patches it) adds up in PARTS. The wrappers add a little time of their own."""
+
+    def timed(fn, part):
+        def wrapper(*args, **kwargs):
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                PARTS[part] += clock() - t0
+
+        return wrapper
+
+    classes = [mlx_cache.KVCache, mlx_cache.BatchKVCache, KVarNCache, BatchKVarNCache]
+    saved = {c: c.__dict__["update_and_fetch"] for c in classes}
+    attention = mlx_base.scaled_dot_product_attention
+    wrapped = timed(attention, "attention")
+    try:
+        for c, fn in saved.items():
+            c.update_and_fetch = timed(fn, "update")
+        integration._swap(attention, wrapped)
+        yield
+    finally:
+        integration._swap(wrapped, attention)
+        for c, fn in saved.items():
+            c.update_and_fetch = fn
+
+
 # -- running -------------------------------------------------------------------------
 
 
@@ -186,8 +226,9 @@ def n_tiles(caches):
 
 
 def run(model, methods, ctx, steps, count=True, rows=0, clock=time.perf_counter):
-    """Per method: [(primitives, Counter, build seconds, committed, step seconds)] of each
-    measured step (step: build and evaluation, the counting left out), timed by clock."""
+    """Per method: [(primitives, Counter, build seconds, committed, step seconds, parts)] of
+    each measured step (step: build and evaluation, the counting left out; parts: PARTS
+    of its build, zeros unless within timed_parts), timed by clock."""
     all_caches = [make_filled(model, m, ctx, rows) for m in methods]
     waiting_tiles._local.waiting = []
     toks = [mx.array([[1]] * max(rows, 1)) for _ in methods]
@@ -199,17 +240,19 @@ def run(model, methods, ctx, steps, count=True, rows=0, clock=time.perf_counter)
         for j, caches in enumerate(all_caches):
             before = n_tiles(caches)
             waiting_tiles._local.waiting = waiting[j]
+            PARTS.update(update=0.0, attention=0.0)
             t0 = clock()
             y = model(toks[j], cache=caches)
             toks[j] = mx.argmax(y[:, -1:], axis=-1)
             built = clock() - t0
+            parts = dict(PARTS)
             waiting[j] = waiting_tiles._local.waiting
             n, names = primitives(toks[j]) if count else (0, Counter())
             t1 = clock()
             mx.eval(toks[j])
             step = built + clock() - t1  # the step's build and evaluation
             if i >= WARMUP:
-                out[j].append((n, names, built, n_tiles(caches) > before, step))
+                out[j].append((n, names, built, n_tiles(caches) > before, step, parts))
     return out
 
 
@@ -230,6 +273,9 @@ def summarize(path, ctx, method, measured, rows=0):
         "slowest_step_s": max(m[4] for m in measured),
         "by_primitive": dict(normal[len(normal) // 2][1].most_common()),
     }
+    if any(m[5]["update"] for m in normal):
+        for part in PARTS:
+            r[f"{part}_s"] = float(np.median([m[5][part] for m in normal]))
     if commit:  # the heaviest of the steps that quantized tiles
         worst = max(commit, key=lambda m: m[0])
         r.update(
@@ -301,6 +347,33 @@ def render(data, times=True):
                 f" {slowest} |"
             )
         md.append(line)
+    if times and any("update_s" in r for r in data["rows"]):
+        md += [
+            "\n## Where the build goes (`--breakdown`)\n",
+            "Medians over the steps that quantize no tile, per step and per layer (the "
+            f"model has {data['layers']} layers): the caches' update_and_fetch, the attention "
+            "calls (mlx-lm's scaled_dot_product_attention, which kvarn_mlx routes to packed "
+            "attention) and the rest of the model call (projections, norms, RoPE, MLP). The "
+            "timing wrappers add a little to every part.\n",
+            "| path | context | method | update ms | attention ms | rest ms | update us/layer "
+            "| attention us/layer | vs fp: update, attention, rest |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        rest = lambda r: r["build_s"] - r["update_s"] - r["attention_s"]
+        for r in data["rows"]:
+            b = next(
+                x
+                for x in data["rows"]
+                if (x["path"], x["context"], x["method"]) == (r["path"], r["context"], PLAIN)
+            )
+            per = 1e6 / data["layers"]
+            md.append(
+                f"| {r['path']} | {r['context']} | {r['method']} | {1000 * r['update_s']:.2f} | "
+                f"{1000 * r['attention_s']:.2f} | {1000 * rest(r):.2f} | "
+                f"{per * r['update_s']:.1f} | {per * r['attention_s']:.1f} | "
+                f"{r['update_s'] / b['update_s']:.2f}x, "
+                f"{r['attention_s'] / b['attention_s']:.2f}x, {rest(r) / rest(b):.2f}x |"
+            )
     return "\n".join(md) + "\n"
 
 
@@ -335,6 +408,11 @@ def main(argv=None):
         "machine the latter leaves out waiting for a core, as Python builds the graph on "
         "one thread (a step's evaluation is then only its CPU time on this thread)",
     )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time the caches' updates and the attention calls within each build",
+    )
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="suffix for the output files (step_graph_<tag>.md)")
     p.add_argument("--quick", action="store_true", help=f"tiny run for CI: {QUICK}")
@@ -361,7 +439,8 @@ def main(argv=None):
                 # first steps and commits, so an uncounted pass makes them first.
                 if path == "ops":
                     run(model, methods, ctx, args.steps, False, args.rows, clock)
-                measured = run(model, methods, ctx, args.steps, True, args.rows, clock)
+                with timed_parts(clock) if args.breakdown else contextlib.nullcontext():
+                    measured = run(model, methods, ctx, args.steps, True, args.rows, clock)
             for m, steps in zip(methods, measured):
                 rows.append(summarize(path, ctx, m, steps, args.rows))
                 r = rows[-1]
@@ -380,7 +459,7 @@ def main(argv=None):
     meta = metadata(
         name, "python benchmarks/step_graph.py " + " ".join(sys.argv[1:] if argv is None else argv)
     )
-    data = {"meta": meta, "steps": args.steps, "rows": rows}
+    data = {"meta": meta, "steps": args.steps, "rows": rows, "layers": len(model.layers)}
     if args.rows:
         data["batch_rows"] = args.rows
     out = Path(args.out)

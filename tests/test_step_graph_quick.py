@@ -99,9 +99,27 @@ def test_step_graph_quick_batch(tmp_path):
             str(folder),
             "--out",
             str(out),
+            "--clock",
+            "thread",
+            "--breakdown",
         ]
     )
     data = json.loads((out / "step_graph.json").read_text())
+    # --breakdown: the updates and attention calls are part of every build, and the
+    # wrappers are gone afterwards
+    from mlx_lm.models import base
+    from mlx_lm.models.cache import BatchKVCache
+
+    from kvarn_mlx import integration
+    from kvarn_mlx.batch_cache import BatchKVarNCache
+
+    for r in data["rows"]:
+        assert 0 < r["update_s"] and 0 < r["attention_s"]
+        assert r["update_s"] + r["attention_s"] < r["build_s"]
+    assert base.scaled_dot_product_attention is integration.scaled_dot_product_attention
+    assert BatchKVCache.update_and_fetch.__qualname__ == "BatchKVCache.update_and_fetch"
+    assert BatchKVarNCache.update_and_fetch.__qualname__ == "BatchKVarNCache.update_and_fetch"
+    assert "Where the build goes" in (out / "step_graph.md").read_text()
     assert data["batch_rows"] == 3 and [
         (r["path"], r["method"], r["rows"]) for r in data["rows"]
     ] == [(p, m, 3) for p in sg.PATHS for m in ("fp", "k4v2_g128")]
