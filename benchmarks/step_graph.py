@@ -287,6 +287,15 @@ def summarize(path, ctx, method, measured, rows=0):
     return r
 
 
+def plain_row(rows, r):
+    """The plain cache's row of r's path and context."""
+    return next(
+        b
+        for b in rows
+        if (b["path"], b["context"], b["method"]) == (r["path"], r["context"], PLAIN)
+    )
+
+
 def render(data, times=True):
     md = [
         "# One decode step's graph: primitives and host build time\n",
@@ -317,11 +326,7 @@ def render(data, times=True):
         rule += "---|---|---|---|---|"
     md += [head, rule]
     for r in data["rows"]:
-        base = next(
-            b
-            for b in data["rows"]
-            if (b["path"], b["context"], b["method"]) == (r["path"], r["context"], PLAIN)
-        )
+        base = plain_row(data["rows"], r)
         commit = (
             f"{r['commit_primitives']} | {r['commit_primitives'] / base['primitives']:.2f}x"
             if "commit_primitives" in r
@@ -361,11 +366,7 @@ def render(data, times=True):
         ]
         rest = lambda r: r["build_s"] - r["update_s"] - r["attention_s"]
         for r in data["rows"]:
-            b = next(
-                x
-                for x in data["rows"]
-                if (x["path"], x["context"], x["method"]) == (r["path"], r["context"], PLAIN)
-            )
+            b = plain_row(data["rows"], r)
             per = 1e6 / data["layers"]
             md.append(
                 f"| {r['path']} | {r['context']} | {r['method']} | {1000 * r['update_s']:.2f} | "

@@ -402,8 +402,10 @@ def calibrate(
     if checkpoint and Path(checkpoint).exists():  # after a torn line, start a new one
         with open(checkpoint, "rb+") as f:
             size = f.seek(0, 2)
-            if size and f.seek(size - 1) >= 0 and f.read(1) != b"\n":
-                f.write(b"\n")
+            if size:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
     todo, resumed = [], 0
     for v in variants:
         l, side, fp8, w, cfg = v
@@ -435,7 +437,7 @@ def calibrate(
                     f.write("".join(json.dumps(x) + "\n" for x in lines))
             bar.step(len(group))
     identity = dict(identity or {})
-    identity["fingerprint"] = profiles.fingerprint(model)
+    identity["fingerprint"] = run["fingerprint"]
     identity.setdefault("model_layers", str(len(make_prompt_cache(model))))
     return {
         "format": profiles.FORMAT,
@@ -445,11 +447,11 @@ def calibrate(
             "source": source,
             "start_char": start,
             "tokens": tokens,
-            "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+            "sha256": run["text_sha256"],
             "measured_positions": [measure_from, tokens - 1],
             "chunk": chunk,
         },
-        "settings": {k: getattr(base, k) for k in profiles.SETTINGS},
+        "settings": run["settings"],
         "widths": widths,
         "fp8_widths": fp8_widths,
         "kl": "mean KL(plain || this) in nats per measured position, "
