@@ -49,6 +49,7 @@ def test_ttft_rejects_unknown_method(tmp_path):
         load_benchmark("ttft").main(["--quick", "--methods", "nope", "--out", str(tmp_path)])
 
 
+@pytest.mark.slow  # test_ttft_quick runs the same script; this adds its --separate processes
 def test_ttft_quick_separate_processes(tmp_path):
     # --separate: every method in a process of its own, each with its process peak.
     ttft = load_benchmark("ttft")

@@ -149,6 +149,7 @@ def test_the_server_on_two_ranks(model_dir, tmp_path):
     assert 2 * held_two["held"] == held_one["held"]  # rank 0 holds its half
 
 
+@pytest.mark.slow  # the server test launches two ranks the same way; this is the CLI's text
 def test_generate_on_two_ranks(model_dir):
     args = [
         "-m",
