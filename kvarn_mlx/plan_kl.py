@@ -69,7 +69,18 @@ def with_profile(path, model_arg, max_kl, base=None):
         predicted = mix.preset_kl(p, config)
         if predicted is not None:
             kl[name] = (predicted, "predicted")
-    source = f"predicted from {path} (the sum of its layers' KLs)"
+    text = p.get("text") if isinstance(p.get("text"), dict) else {}
+    where = ""
+    if isinstance(text.get("measured_positions"), list) and isinstance(text.get("tokens"), int):
+        a, b = text["measured_positions"]
+        where = f", measured at positions {a:,}..{b:,} of a {text['tokens']:,}-token text"
+    # The committed mixed_widths tables (docs/results.md): predictions hold near the
+    # calibration's length and fall behind the measured KL as the context grows.
+    source = (
+        f"predicted from {path} (the sum of its layers' KLs{where}; at longer contexts the "
+        "measured KL is higher: see docs/results.md, 'Per-layer widths from a calibration "
+        "profile')"
+    )
     q = Quality(kl, source + (f"; {base.source}" if base else ""))
     target = {"max_kl": max_kl} if max_kl is not None else {"bytes_like": DEFAULT_PRESET}
     try:

@@ -581,6 +581,8 @@ def test_cli_profile_predicts_and_adds_the_calibrated_mix(tmp_path, capsys):
         rows["auto4v2"]["kl"] == pytest.approx(auto) and rows["auto4v2"]["kl_source"] == "predicted"
     )
     assert rows["k4v2_g128"]["kl_source"] == "measured"  # measured with other settings
+    a, b = p["text"]["measured_positions"]  # the context a prediction is for
+    assert f"positions {a:,}..{b:,} of a {p['text']['tokens']:,}-token text" in out["kl_source"]
     mix = rows["calibrated mix"]
     assert mix["kl"] <= 0.005 and mix["within_max_kl"] and mix["kl"] == out["mix"]["predicted_kl"]
     assert (
