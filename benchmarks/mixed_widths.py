@@ -43,6 +43,16 @@ def predicted(model, p, method):
     return m.predicted_kl, m.bytes_per_token, m
 
 
+def is_preset(method):
+    """Whether the profile can predict this method: a KVarN preset (not the plain cache or
+    an mlx-lm baseline such as mlxq4, which the same fidelity runs may hold)."""
+    try:
+        get_preset(method)
+    except ValueError:
+        return False
+    return True
+
+
 def label(method):
     target = profile_method(method)
     if target is None:
@@ -73,7 +83,7 @@ def main():
         commands.append(d["meta"]["command"])
         for r in d["result"]["rows"]:
             target = profile_method(r["method"])
-            if r["method"] != "fp" and (target is None or target[0] == args.profile):
+            if target[0] == args.profile if target else is_preset(r["method"]):
                 rows.setdefault(r["method"], {}).setdefault(r["context"], r)
     contexts = sorted({c for v in rows.values() for c in v})
     out = []
