@@ -60,7 +60,7 @@ def label(method):
     return f"mix at {target[1]}'s bytes" if target[1] else f"mix, KL <= {target[2]:g}"
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
     p.add_argument("--profile", required=True)
@@ -72,7 +72,7 @@ def main():
     )
     p.add_argument("--tag", required=True)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from kvarn_mlx.loader import load
 
     model, _ = load(args.model)

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from benchmark_scripts import load_benchmark
+from kvarn_mlx.calibrate import main as calibrate_main
 from kvarn_mlx.eval.__main__ import main as eval_main
 from model_folder import tiny_model_folder
 
@@ -160,3 +161,36 @@ def test_tail_frontier_reads_method_names():
     assert split("auto4v2") == ("auto4v2", 0)
     assert split("auto4v2+tail128") == ("auto4v2", 128)
     assert split("benchmarks/results/profile_smollm2.json@auto2") == ("mix@auto2", 0)
+
+
+def test_mixed_widths_end_to_end(tmp_path):
+    # benchmarks/mixed_widths.py from a real (short) calibration of a tiny model and a
+    # fidelity run of a preset, the mix at its bytes and an mlx-lm baseline the script
+    # has no prediction for (left out of the table).
+    folder = tiny_model_folder(tmp_path / "model")
+    out = tmp_path / "results"
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog; pack my box. " * 60)
+    profile = tmp_path / "profile.json"
+    calibrate_main(
+        [*("--model", str(folder), "--out", str(profile), "--text", str(text)), "--text-start"]
+        + ["0", *("--tokens", "384", "--measure", "128", "--chunk", "128", "--widths", "2,4")]
+    )
+    mix = f"{profile}@auto2"
+    eval_main(
+        [
+            *("--model", str(folder), "--out", str(out), "--tag", "t", "fidelity"),
+            *("--contexts", "384", "--chunk", "128", "--methods", f"auto2,mlxq4,{mix}"),
+        ]
+    )
+    load_benchmark("mixed_widths").main(
+        [*("--model", str(folder), "--profile", str(profile), "--tag", "t", "--out", str(out))]
+        + ["--fidelity", str(out / "fidelity_t.json")]
+    )
+    rows = {r["method"]: r for r in json.loads((out / "mixed_widths_t.json").read_text())["rows"]}
+    assert set(rows) == {"auto2", mix}
+    assert rows[mix]["tile_bytes_per_token"] <= rows["auto2"]["tile_bytes_per_token"]
+    assert rows[mix]["predicted_kl"] <= rows["auto2"]["predicted_kl"]
+    assert rows["auto2"]["contexts"]["384"]["kl_mean"] > 0
+    md = (out / "mixed_widths_t.md").read_text()
+    assert "| auto2 |" in md and "mlxq4" not in md.split("Commands:")[0]
