@@ -11,6 +11,7 @@ from model_folder import tiny_model_folder
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.slow  # the prefill it times is checked in tests/test_prefill.py
 def test_ttft_quick(tmp_path):
     ttft = load_benchmark("ttft")
     folder = tiny_model_folder(tmp_path / "model")

@@ -163,9 +163,11 @@ def test_checkpoint_resumes_an_interrupted_run(llama, text_file, tmp_path, monke
     resumed = C.calibrate(llama, tokenizer(), checkpoint=str(cut), **run)
     assert resumed["resumed_measurements"] == 5
     assert len(rows) == 3 + 1  # the three missing, and the replay check's plain row
+    # The same measurements up to float rounding: a resumed run batches fewer widths
+    # together, which changes the matmuls' summation order (KLs near 1e-4 moved by 1e-4).
     for a, b in zip(full["layers"], resumed["layers"]):
         for side in "kv":
-            assert b[side] == pytest.approx(a[side], rel=1e-4)
+            assert b[side] == pytest.approx(a[side], rel=1e-3)
     assert len(cut.read_text().splitlines()) == 6 + 3  # appended after the torn line
     again = C.calibrate(llama, tokenizer(), checkpoint=str(cut), **run)
     assert again["resumed_measurements"] == 8 and again["layers"] == resumed["layers"]

@@ -44,6 +44,7 @@ def test_decode_speed_quick(tmp_path):
     assert (out / "decode_speed.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # the script's path is test_decode_speed_quick's, with --rows
 def test_decode_speed_quick_batch(tmp_path):
     # --rows: sequences of different lengths joined by mlx-lm's merge, decoding together;
     # tokens/s counts every row's token.

@@ -119,6 +119,9 @@ def serve_and_ask(command, port, log):
         return reply["choices"][0]["message"]["content"], get(url + "/v1/kv_stats")
 
 
+# -m slow: the first test runs two ranks through the library and checks both; this one
+# the same split through the server.
+@pytest.mark.slow
 def test_the_server_on_two_ranks(model_dir, tmp_path):
     args = ["-m", "kvarn_mlx.server", "--model", str(model_dir), *PRESET]
     with open(tmp_path / "one.log", "w") as log:
@@ -149,7 +152,7 @@ def test_the_server_on_two_ranks(model_dir, tmp_path):
     assert 2 * held_two["held"] == held_one["held"]  # rank 0 holds its half
 
 
-@pytest.mark.slow  # the server test launches two ranks the same way; this is the CLI's text
+@pytest.mark.slow  # the first test launches two ranks the same way; this is the CLI's text
 def test_generate_on_two_ranks(model_dir):
     args = [
         "-m",
@@ -180,6 +183,7 @@ def test_generate_on_two_ranks(model_dir):
     assert out == one.stdout  # rank 0 prints the single process's text, rank 1 nothing
 
 
+@pytest.mark.slow  # an error path; the launch itself is the first test's
 def test_prompt_from_stdin_on_two_ranks_is_an_error(model_dir):
     # mlx.launch does not hand every rank the same stdin: ranks would disagree and hang.
     args = ["-m", "kvarn_mlx.generate", "--model", str(model_dir), "--prompt", "-"]

@@ -45,6 +45,8 @@ def test_status_and_choices():
     )
 
 
+# -m slow: test_tail_frontier_end_to_end runs the helpers tail_frontier.py shares with it.
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_frontier_end_to_end(tmp_path):
     folder = tiny_model_folder(tmp_path / "model")

@@ -217,6 +217,9 @@ def test_flags():
     assert r.returncode == 0 and "--kv-preset" in r.stdout and "--prompt-cache-bytes" in r.stdout
 
 
+# -m slow: tests/test_speculative.py checks the tokens of draft-model decoding over KVarN
+# caches; this adds the server's flag.
+@pytest.mark.slow
 def test_speculative_decoding_with_a_draft_model(model_dir, tmp_path):
     # --draft-model: mlx-lm serves the request alone with speculative decoding; the
     # main model's KVarN cache gives the tokens of plain greedy decoding (the
