@@ -165,6 +165,9 @@ def test_tail_frontier_reads_method_names():
     assert split("benchmarks/results/profile_smollm2.json@auto2") == ("mix@auto2", 0)
 
 
+# -m slow: the script's parts are checked on their own (the allocation in test_mix.py,
+# calibration in test_calibrate.py, its method names above).
+@pytest.mark.slow
 def test_mixed_widths_end_to_end(tmp_path):
     # benchmarks/mixed_widths.py from a real (short) calibration of a tiny model and a
     # fidelity run of a preset, the mix at its bytes and an mlx-lm baseline the script
