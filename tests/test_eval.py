@@ -16,7 +16,7 @@ from kvarn_mlx.cache import KVarNCache
 from kvarn_mlx.eval.__main__ import main
 from kvarn_mlx.eval.fidelity import fidelity
 from kvarn_mlx.eval.methods import make_caches, method_bits, method_cache
-from kvarn_mlx.eval.runner import Dequantized
+from kvarn_mlx.eval.runner import CheckpointError, Dequantized, append_checkpoint, read_checkpoint
 from models import tiny_model
 
 
@@ -332,3 +332,34 @@ def test_unknown_method_fails_early(tmp_path):
             model=object(),
             tokenizer=Bytes(),
         )
+
+
+def test_checkpoint_survives_a_run_stopped_mid_line(tmp_path):
+    # A run killed while writing a row leaves it cut short: reading leaves it out, and the
+    # next row starts a line of its own instead of gluing onto it.
+    ck = tmp_path / "ck.jsonl"
+    rows = [{"settings": {"n": i}, "record": {"x": "y" * i}} for i in range(3)]
+    for r in rows[:2]:
+        append_checkpoint(ck, r)
+    whole = ck.read_text()
+    ck.write_text(whole + json.dumps(rows[2])[:17])
+    assert read_checkpoint(ck) == rows[:2]
+    append_checkpoint(ck, rows[2])
+    assert read_checkpoint(ck) == rows
+    assert ck.read_text().startswith(whole) and ck.read_text().endswith("\n")
+    assert read_checkpoint(tmp_path / "missing.jsonl") == [] and read_checkpoint(None) == []
+
+
+@pytest.mark.parametrize(
+    "text", ["my notes\n", '{"settings": {"n": 1}}\n[1, 2]\n', b"\xff\xfe binary"]
+)
+def test_a_file_no_eval_wrote_is_refused_untouched(tmp_path, text):
+    notes = tmp_path / "notes.txt"
+    (notes.write_bytes if isinstance(text, bytes) else notes.write_text)(text)
+    before = notes.read_bytes()
+    with pytest.raises(CheckpointError, match="is not a row of a python -m kvarn_mlx.eval"):
+        read_checkpoint(notes)
+    # The CLI refuses it before loading a model (none is given here) and leaves it as it was.
+    with pytest.raises(SystemExit, match="pass a new file"):
+        main(["--out", str(tmp_path), "tasks", "--checkpoint", str(notes)])
+    assert notes.read_bytes() == before

@@ -31,7 +31,14 @@ import argparse
 import sys
 
 from . import accumulation, decode, fidelity, longgen, methods, retrieval, tasks
-from .runner import ATTENTION_MODES, meta_markdown, metadata, write_results
+from .runner import (
+    ATTENTION_MODES,
+    CheckpointError,
+    meta_markdown,
+    metadata,
+    read_checkpoint,
+    write_results,
+)
 
 EXPERIMENTS = {m.NAME: m for m in (fidelity, accumulation, decode, longgen, retrieval, tasks)}
 
@@ -69,6 +76,10 @@ def main(argv=None, model=None, tokenizer=None, model_name=None):
     names = [m for m in args.methods.split(",") if m]
     for m in names:
         methods.method_bits(m)  # fail early on unknown names
+    try:  # and on a --checkpoint no eval wrote, before the model loads
+        read_checkpoint(getattr(args, "checkpoint", None))
+    except CheckpointError as e:
+        raise SystemExit(f"kvarn_mlx.eval: {e}") from None
     if model is None:
         from ..loader import load
 

@@ -20,9 +20,6 @@ step: they choose each head's key rotation from the first tiles' contents, and
 float rounding between step shapes can flip a near tie there.
 """
 
-import json
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
@@ -30,7 +27,15 @@ from mlx_lm.models import cache as mlx_cache
 from ..cache import KVarNCache
 from .decode import _greedy, _prefill_last
 from .methods import make_caches, method_bits
-from .runner import Progress, for_model, log_softmax, pyplot, reusable
+from .runner import (
+    Progress,
+    append_checkpoint,
+    for_model,
+    log_softmax,
+    pyplot,
+    read_checkpoint,
+    reusable,
+)
 
 NAME = "longgen"
 HELP = "long greedy generation: per-step KL on the plain cache's trajectory, first divergence"
@@ -133,12 +138,10 @@ def longgen(
     run_model = NoEOS(model, eos)
     settings = {"steps": steps, "chunk": chunk, "methods": methods, "attention": attention_mode}
     done = {}
-    if checkpoint and Path(checkpoint).exists():
-        # A prompt finished with the same settings and at least these methods is reused.
-        for line in Path(checkpoint).read_text().splitlines():
-            row = json.loads(line)
-            if reusable(row["settings"], settings):
-                done[row["question"]] = row
+    # A prompt finished with the same settings and at least these methods is reused.
+    for row in read_checkpoint(checkpoint):
+        if reusable(row["settings"], settings):
+            done[row["question"]] = row
     res = {
         "steps": steps,
         "prompts": [],
@@ -153,8 +156,7 @@ def longgen(
             run_model, model, tokenizer, question, methods, steps, chunk, attention_mode, f"p{j}"
         )
         if checkpoint and question not in done:
-            with open(checkpoint, "a") as f:
-                f.write(json.dumps({"settings": settings, **row}) + "\n")
+            append_checkpoint(checkpoint, {"settings": settings, **row})
         res["prompts"].append(row["prompt"])
         for name in methods:
             r, m = res["methods"][name], row["methods"][name]

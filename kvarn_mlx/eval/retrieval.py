@@ -26,7 +26,6 @@ import math
 import random
 import re
 from functools import lru_cache
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -34,7 +33,15 @@ from mlx_lm.models.cache import KVCache
 
 from ..cache import KVarNCache
 from .methods import make_caches, method_bits
-from .runner import Progress, for_model, needs_queries, pyplot, reusable
+from .runner import (
+    Progress,
+    append_checkpoint,
+    for_model,
+    needs_queries,
+    pyplot,
+    read_checkpoint,
+    reusable,
+)
 
 NAME = "retrieval"
 HELP = "passkey / multi-key needle retrieval: accuracy by needle depth and context length"
@@ -332,8 +339,7 @@ def retrieval(
             rec["answers"][name] = {"text": text, "right": first_number(text) == secret}
         done[key] = rec
         if checkpoint:
-            with open(checkpoint, "a") as f:
-                f.write(json.dumps({"settings": shared, "record": rec}) + "\n")
+            append_checkpoint(checkpoint, {"settings": shared, "record": rec})
         bar.step()
     records = [done[_key(*job)] for job in jobs]
     return {
@@ -348,13 +354,11 @@ def _load_checkpoint(path, shared):
     dropped)."""
     done = {}
     want = json.loads(json.dumps(shared))
-    if path and Path(path).exists():
-        for line in Path(path).read_text().splitlines():
-            row = json.loads(line)
-            if reusable(row["settings"], want):
-                r = dict(row["record"])
-                r["answers"] = {m: r["answers"][m] for m in want["methods"]}
-                done[_key(r["task"], r["length"], r["depth"], r["trial"])] = r
+    for row in read_checkpoint(path):
+        if reusable(row["settings"], want):
+            r = dict(row["record"])
+            r["answers"] = {m: r["answers"][m] for m in want["methods"]}
+            done[_key(r["task"], r["length"], r["depth"], r["trial"])] = r
     return done
 
 

@@ -284,3 +284,54 @@ def reusable(saved, wanted):
         return {k: v for k, v in settings.items() if k != "methods"}
 
     return rest(saved) == rest(wanted) and set(wanted["methods"]) <= set(saved["methods"])
+
+
+class CheckpointError(ValueError):
+    """A --checkpoint file that is not one an eval wrote."""
+
+
+_ROW_START = '{"settings": '  # how every row an eval appends begins (json.dumps order)
+
+
+def read_checkpoint(path):
+    """The rows of an eval's --checkpoint file (a JSON object with "settings" a line);
+    [] when there is none. A line cut short (a run stopped while writing it) is left
+    out; any other line that is not a row refuses the file, so that nothing is ever
+    appended to a file the evals did not write."""
+    if not path:
+        return []
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
+    except UnicodeDecodeError:
+        text = None
+    rows = []
+    for i, line in enumerate(text.splitlines() if text is not None else [None]):
+        if line is not None and not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (TypeError, ValueError):
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("settings"), dict):
+            rows.append(row)
+        elif row is None and line is not None and line.startswith(_ROW_START):
+            continue  # torn
+        else:
+            raise CheckpointError(
+                f"--checkpoint {path}: line {i + 1} is not a row of a python -m kvarn_mlx.eval "
+                "checkpoint; pass a new file (or the one an earlier run of this experiment wrote)"
+            )
+    return rows
+
+
+def append_checkpoint(path, row):
+    """Append one row (a dict with "settings" first) as a line, ending a line a stopped
+    run left cut short first."""
+    with open(path, "ab+") as f:
+        if f.seek(0, os.SEEK_END):
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write((json.dumps(row) + "\n").encode())

@@ -48,7 +48,7 @@ from ..integration import make_cache
 from . import paired, sandbox
 from .methods import make_caches, method_bits
 from .retrieval import wilson
-from .runner import Progress, pyplot
+from .runner import Progress, append_checkpoint, pyplot, read_checkpoint
 
 NAME = "tasks"
 HELP = (
@@ -340,11 +340,9 @@ def _key(prefix, method, task_id):
 def _load_checkpoint(path, shared):
     done = {}
     want = json.loads(json.dumps(shared))
-    if path and Path(path).exists():
-        for line in Path(path).read_text().splitlines():
-            row = json.loads(line)
-            if row["settings"] == want:
-                done[row["key"]] = row["record"]
+    for row in read_checkpoint(path):
+        if row["settings"] == want:
+            done[row["key"]] = row["record"]
     return done
 
 
@@ -417,8 +415,7 @@ def tasks(
                 key = _key(prefix, name, p["task_id"])
                 done[key] = rec
                 if checkpoint:
-                    with open(checkpoint, "a") as f:
-                        f.write(json.dumps({"settings": shared, "key": key, "record": rec}) + "\n")
+                    append_checkpoint(checkpoint, {"settings": shared, "key": key, "record": rec})
                 bar.step(1)
                 del final
             base = None  # free the prefilled context before the next method's
