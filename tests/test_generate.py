@@ -43,7 +43,6 @@ def test_answers_with_quantized_tiles(capsys, smollm, preset):
     assert "tokens-per-sec" in out and "Peak memory" in out and "2-byte (fp16) equivalent" in out
 
 
-@pytest.mark.slow  # tests/test_generate_stats.py runs --compare and checks its figures
 def test_compare_runs_the_plain_cache_too(capsys, smollm):
     out = run(
         capsys, "--prompt", QUESTION, "--system-prompt", LONG_SYSTEM, "--kv-sink", "0", "--compare"
