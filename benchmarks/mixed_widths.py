@@ -93,6 +93,7 @@ def main(argv=None):
             "method": method,
             "label": label(method),
             "predicted_kl": kl_pred,
+            "predicted_at": {c: mixes.predict(prof, kl_pred, c) for c in by_ctx},
             "tile_bytes_per_token": tile_bpt,
             "widths": m.summary()["widths"] if m else None,
             "contexts": {
@@ -117,9 +118,20 @@ def main(argv=None):
         f"{prof['seconds']:.0f} s on this machine ({prof['mode']}).\n",
         "Measured: teacher-forced mean KL to the plain cache over positions 128..L-2 of the "
         "*start* of the same text (not used for calibration), 256-token chunks, packed "
-        "attention; bytes held at L tokens (measured arrays). Predicted: the sum over layers of "
-        "the profile's KL at each layer's key width and value width (the mix's own choice; for "
-        "a preset, its widths everywhere).\n",
+        "attention; bytes held at L tokens (measured arrays). Predicted KL: the sum over layers "
+        "of the profile's KL at each layer's key width and value width (the mix's own choice; "
+        "for a preset, its widths everywhere). "
+        + (
+            "Predicted at L: that sum scaled to L tokens by the growth the profile measured on "
+            "its own text (every layer quantized, "
+            + ", ".join(
+                f"{n} at {', '.join(sorted(k, key=int))} tokens"
+                for n, k in prof["growth"]["presets"].items()
+            )
+            + "; mix.predict), which is what the planner quotes for a context.\n"
+            if "growth" in prof
+            else "The profile has no growth measurement: predicted at L is the sum.\n"
+        ),
         "Commands:\n",
         "```sh",
         f"python -m kvarn_mlx.calibrate {prof.get('command', '').split('calibrate ', 1)[-1]}",
@@ -130,10 +142,13 @@ def main(argv=None):
     ]
     head = (
         "| cache | tile bytes/token | predicted KL | "
-        + " | ".join(f"KL at {c} | measured / predicted at {c} | bytes at {c}" for c in contexts)
+        + " | ".join(
+            f"KL at {c} | predicted at {c} | measured / predicted at {c} | bytes at {c}"
+            for c in contexts
+        )
         + " |"
     )
-    md += [head, "|" + "---|" * (3 + 3 * len(contexts))]
+    md += [head, "|" + "---|" * (3 + 4 * len(contexts))]
     for e in out:
         cells = []
         for c in contexts:
@@ -141,11 +156,12 @@ def main(argv=None):
             cells += (
                 [
                     f"{r['kl_mean']:.4f}",
-                    f"{r['kl_mean'] / e['predicted_kl']:.2f}",
+                    f"{e['predicted_at'][c]:.4f}",
+                    f"{r['kl_mean'] / e['predicted_at'][c]:.2f}",
                     f"{r['bytes']:,}",
                 ]
                 if r
-                else ["", "", ""]
+                else ["", "", "", ""]
             )
         md.append(
             f"| {e['label']} | {e['tile_bytes_per_token']:,.1f} | {e['predicted_kl']:.4f} | "

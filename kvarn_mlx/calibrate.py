@@ -43,7 +43,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from . import profile as profiles
 from .batch_cache import BatchKVarNCache
 from .cache import KVarNCache, cannot_hold
-from .config import DEFAULT_PRESET, FP8_MAX_BITS, SUPPORTED_BITS, get_preset
+from .config import DEFAULT_PRESET, FP8_MAX_BITS, PRESETS, SUPPORTED_BITS, get_preset
 from .eval.runner import Progress, load_text, log_softmax
 from .integration import make_cache, quantizable_layers
 
@@ -54,6 +54,7 @@ FP8_WIDTHS = tuple(w for w in SUPPORTED_BITS if w <= FP8_MAX_BITS)
 TOKENS = 1024
 MEASURE = 512
 CHUNK = 256
+GROWTH_TOKENS = 4096
 REPLAY_TOLERANCE = 1e-5  # KL of a replayed plain layer to the plain pass (float rounding only)
 
 
@@ -463,6 +464,52 @@ def calibrate(
     }
 
 
+def growth_presets(settings, base):
+    """The presets whose growth a profile measures: base, and the narrowest preset
+    with the profile's settings (its widths the narrowest a mix goes near)."""
+    same = [
+        name
+        for name, c in PRESETS.items()
+        if profiles.settings_config(settings, c.k_bits, c.v_bits) == c
+    ]
+    narrow = min(same, key=lambda n: PRESETS[n].k_bits + PRESETS[n].v_bits, default=base)
+    return list(dict.fromkeys([base, narrow]))
+
+
+def measure_growth(model, tokenizer, p, base, tokens=GROWTH_TOKENS, chunk=CHUNK):
+    """How the mean KL of whole caches grows with the context on profile p's
+    calibration text: each growth preset's mean KL over positions 128..L-2 (as
+    the evals measure it) at a quarter, half and all of `tokens`, every layer
+    quantized, packed attention. mix.predict scales a mix's summed KL by it."""
+    from .eval.fidelity import fidelity
+
+    base_config = profiles.settings_config(p["settings"], 2, 2)
+    G, S = base_config.group_size, base_config.sink_size
+    contexts = sorted({c for c in (tokens // 4, tokens // 2, tokens) if c > S + G})
+    if len(contexts) < 2:
+        raise ValueError(f"--growth-tokens {tokens}: use at least {2 * (S + G) + 2}, e.g. 4096")
+    text = p["text"]
+    ids, start = calibration_tokens(tokenizer, text["source"], text["start_char"], tokens)
+    names = growth_presets(p["settings"], base)
+    t0 = time.time()
+    res = fidelity(model, tokenizer, names, contexts, text["source"], chunk, "packed", ids=ids)
+    return {
+        "what": "mean KL(plain || this) over "
+        + res["positions"]
+        + ", every layer quantized, packed attention",
+        "source": text["source"],
+        "start_char": start,
+        "tokens": tokens,
+        "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+        "chunk": chunk,
+        "presets": {
+            name: {str(r["context"]): r["kl_mean"] for r in res["rows"] if r["method"] == name}
+            for name in names
+        },
+        "seconds": round(time.time() - t0, 1),
+    }
+
+
 def read_checkpoint(path, run):
     """{(layer, side key, width): KL} of the measurements a checkpoint holds for this
     run (model, text and settings); {} for a missing file. A file that is not a
@@ -555,6 +602,19 @@ def setup_arg_parser():
         "--batch", type=int, default=12, help="measurements run together as one batch (default 12)"
     )
     p.add_argument(
+        "--growth-tokens",
+        type=int,
+        default=GROWTH_TOKENS,
+        help="then run this many tokens of the text with every layer quantized (two presets) "
+        "to measure how the KL grows with the context, which the predictions use "
+        f"(default {GROWTH_TOKENS}; 0: none)",
+    )
+    p.add_argument(
+        "--add-growth",
+        action="store_true",
+        help="only measure the growth, and add it to the profile --out already holds",
+    )
+    p.add_argument(
         "--checkpoint",
         default=None,
         help="append each measurement to this file as it is made, and take the ones it "
@@ -576,7 +636,14 @@ def main(argv=None):
                 f"--fp8-widths {args.fp8_widths}: use some of {', '.join(map(str, FP8_WIDTHS))} "
                 "(one-byte scales suit narrow codes), or an empty string for none"
             )
+        get_preset(args.base)
+        if args.growth_tokens < 0:
+            raise ValueError(f"--growth-tokens {args.growth_tokens}: give tokens, or 0 for none")
         profiles.check_writable(args.out)
+        if args.add_growth:
+            if not args.growth_tokens:
+                raise ValueError("--add-growth measures --growth-tokens tokens: give more than 0")
+            p = profiles.read(args.out)
         read_checkpoint(args.checkpoint, None)  # a file that is not one is refused now
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
@@ -585,6 +652,17 @@ def main(argv=None):
 
     model, tokenizer = load(args.model)
     identity = model_identity(args.model, model, tokenizer)
+    command = "python -m kvarn_mlx.calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.add_growth:
+        try:
+            profiles.check_model(p, model, quantizable_layers(model)[0], args.out)
+            p["growth"] = measure_growth(model, tokenizer, p, args.base, args.growth_tokens)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        p["growth"]["command"] = command
+        profiles.write(args.out, p)
+        print(f"added to {args.out}: {_growth_line(p['growth'])}")
+        return
     try:
         p = calibrate(
             model,
@@ -601,11 +679,11 @@ def main(argv=None):
             identity=identity,
             checkpoint=args.checkpoint,
         )
+        if args.growth_tokens:
+            p["growth"] = measure_growth(model, tokenizer, p, args.base, args.growth_tokens)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    p["command"] = "python -m kvarn_mlx.calibrate " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
+    p["command"] = command
     profiles.write(args.out, p)
     worst = max(
         (
@@ -622,6 +700,22 @@ def main(argv=None):
         f"{len(p['widths'])} widths in {p['seconds']:.0f} s ({p['mode']}); most sensitive at "
         f"{min(p['widths'])} bits: layer {worst[0]} {'keys' if worst[1] == 'k' else 'values'} (KL "
         f"{worst[2]:.3g})"
+    )
+
+    if "growth" in p:
+        print(f"growth: {_growth_line(p['growth'])}")
+
+
+def _growth_line(g):
+    return (
+        "; ".join(
+            f"{name} mean KL "
+            + ", ".join(
+                f"{kl:.3g} at {int(c):,}" for c, kl in sorted(kls.items(), key=lambda t: int(t[0]))
+            )
+            for name, kls in g["presets"].items()
+        )
+        + f" ({g['seconds']:.0f} s)"
     )
 
 

@@ -294,7 +294,7 @@ def plan(
     if quality and (quality.mix is not None or quality.mix_error):
         plans.append(mix_plan(model, layers, quality, prefill))
         if quality.mix is not None:
-            kl["calibrated mix"] = (quality.mix.predicted_kl, "predicted")
+            kl["calibrated mix"] = (quality.mix_kl, "predicted")
     weights = info.weights_bytes
     if weights is None:
         weights = parameter_bytes(model, info.config)
@@ -528,7 +528,9 @@ def main(argv=None):
             raise PlanError(f"--max-kl {args.max_kl}: give a KL in nats > 0, e.g. 0.005")
         quality = plan_kl.measured(info)
         if args.profile is not None:
-            quality = plan_kl.with_profile(args.profile, args.model, args.max_kl, quality)
+            quality = plan_kl.with_profile(
+                args.profile, args.model, args.max_kl, quality, args.context
+            )
         p = plan(
             info,
             budget,

@@ -31,6 +31,7 @@ class Quality:
     mix: object = None  # mix.Mix of the profile, when one was given
     mix_configs: list = None  # its per-layer KVarNConfigs (None: layer left plain)
     mix_error: str = None  # why no mix could be chosen
+    mix_kl: float = None  # the mix's predicted KL (at the plan's context, when given)
 
 
 def measured(info):
@@ -45,9 +46,11 @@ def measured(info):
     return Quality(kl, f"measured: {entry['source']}", "plain (float32)")
 
 
-def with_profile(path, model_arg, max_kl, base=None):
+def with_profile(path, model_arg, max_kl, base=None, context=None):
     """Quality from a calibration profile of the model (predicted), over the
-    measured figures `base` (kept for the caches the profile does not predict)."""
+    measured figures `base` (kept for the caches the profile does not predict).
+    context: the tokens to predict the KL at (mix.predict), if the profile
+    measured how the KL grows; else the KL near the calibration's length."""
     from . import integration, mix, profile
     from .loader import ModelLoadError, load
 
@@ -68,25 +71,52 @@ def with_profile(path, model_arg, max_kl, base=None):
     for name, config in PRESETS.items():
         predicted = mix.preset_kl(p, config)
         if predicted is not None:
-            kl[name] = (predicted, "predicted")
+            kl[name] = (mix.predict(p, predicted, context), "predicted")
+    q = Quality(kl, _source(path, p, context) + (f"; {base.source}" if base else ""))
+    target = {"bytes_like": DEFAULT_PRESET}
+    if max_kl is not None:  # the layers' sum that predicts max_kl at the context
+        target = {"max_kl": max_kl * max_kl / mix.predict(p, max_kl, context)}
+    try:
+        for _ in range(8):
+            q.mix, configs = mix.from_profile(model, p, layers, shapes, where=str(path), **target)
+            q.mix_kl = mix.predict(p, q.mix.predicted_kl, context)
+            if max_kl is None or q.mix_kl <= max_kl:
+                break
+            target = {"max_kl": target["max_kl"] * max_kl / q.mix_kl * 0.999}
+    except profile.ProfileError as e:
+        q.mix, q.mix_error = None, str(e)
+        return q
+    if max_kl is not None:  # what was asked, not the sum it came to
+        at = f" at {context:,} tokens" if context is not None and "growth" in p else ""
+        q.mix.target = f"predicted KL <= {max_kl:g}{at}"
+    q.mix_configs = [configs.get(i) for i in range(len(make_prompt_cache(model)))]
+    return q
+
+
+def _source(path, p, context):
+    """What the predicted figures are, for the legend."""
     text = p.get("text") if isinstance(p.get("text"), dict) else {}
     where = ""
     if isinstance(text.get("measured_positions"), list) and isinstance(text.get("tokens"), int):
         a, b = text["measured_positions"]
         where = f", measured at positions {a:,}..{b:,} of a {text['tokens']:,}-token text"
-    # The committed mixed_widths tables (docs/results.md): predictions hold near the
-    # calibration's length and fall behind the measured KL as the context grows.
-    source = (
-        f"predicted from {path} (the sum of its layers' KLs{where}; at longer contexts the "
-        "measured KL is higher: see docs/results.md, 'Per-layer widths from a calibration "
-        "profile')"
+    if "growth" not in p:
+        # The committed mixed_widths tables (docs/results.md): without a growth measurement,
+        # predictions hold near the calibration's length and fall behind as the context grows.
+        return (
+            f"predicted from {path} (the sum of its layers' KLs{where}; the profile has no "
+            "growth measurement, so at longer contexts the measured KL is higher: "
+            "python -m kvarn_mlx.calibrate --add-growth)"
+        )
+    if context is None:
+        return (
+            f"predicted from {path} (the sum of its layers' KLs{where}; give --context to "
+            "scale it by the growth the profile measured)"
+        )
+    longest = max(int(c) for kls in p["growth"]["presets"].values() for c in kls)
+    beyond = "" if context <= longest else ", extrapolated beyond"
+    return (
+        f"predicted from {path} at {context:,} tokens (the sum of its layers' KLs{where}, "
+        f"scaled by how the KL grew with every layer quantized on the profile's text, measured "
+        f"to {longest:,} tokens{beyond})"
     )
-    q = Quality(kl, source + (f"; {base.source}" if base else ""))
-    target = {"max_kl": max_kl} if max_kl is not None else {"bytes_like": DEFAULT_PRESET}
-    try:
-        q.mix, configs = mix.from_profile(model, p, layers, shapes, where=str(path), **target)
-    except profile.ProfileError as e:
-        q.mix_error = str(e)
-        return q
-    q.mix_configs = [configs.get(i) for i in range(len(make_prompt_cache(model)))]
-    return q

@@ -11,7 +11,10 @@ quantized at each width ("k": {"2": kl, ...}, "v": {...}; null where the
 layer's head dim cannot hold that width). A profile may also measure the
 narrow widths with one-byte (e4m3) scales ("fp8_widths", and per layer
 "k_fp8", "v_fp8"): a layer stored that way is cheaper, which is what lets a
-mix at the narrowest preset's bytes widen some other layer. Every failure is a
+mix at the narrowest preset's bytes widen some other layer. It may also hold
+"growth": two presets' mean KL measured with every layer quantized at several
+context lengths, which lets mix.predict scale the layers' sum to a context
+(the KL grows with the tokens quantized). Every failure is a
 ProfileError whose message names the problem and the fix.
 """
 
@@ -164,6 +167,32 @@ def validate(p, where="the profile"):
             if fp8:
                 key = side_key(side, True)
                 _check_kls(bad, f"layer {i} {key!r}", entry.get(key), fp8)
+    if "growth" in p:
+        _check_growth(bad, p["growth"])
+
+
+def _check_growth(bad, g):
+    """The optional "growth" field: {"presets": {name: {"L": measured mean KL}}}."""
+    from .config import PRESETS
+
+    presets = g.get("presets") if isinstance(g, dict) else None
+    if not isinstance(presets, dict) or not presets:
+        bad('"growth" must hold "presets": {preset: {context: KL}}')
+    for name, kls in presets.items():
+        if name not in PRESETS:
+            bad(f"growth: {name!r} is not a preset")
+        if not isinstance(kls, dict) or not kls:
+            bad(f"growth {name!r}: no measurements")
+        for key, kl in kls.items():
+            if not key.isdigit() or int(key) < 1:
+                bad(f"growth {name!r}: context {key!r} is not a number of tokens")
+            if (
+                not isinstance(kl, (int, float))
+                or isinstance(kl, bool)
+                or not math.isfinite(kl)
+                or kl < 0
+            ):
+                bad(f"growth {name!r} at {key}: KL {kl!r} is not a number >= 0")
 
 
 def _check_kls(bad, what, kls, widths):

@@ -297,6 +297,7 @@ def test_bad_input_leaves_server_up(server):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # the server's pages in Chromium by default: test_server_security
 def test_page_end_to_end(server):
     with chromium() as browser:
         ARTIFACTS.mkdir(exist_ok=True)

@@ -212,13 +212,45 @@ def test_embedded_model_profile_drives_make_cache(tmp_path):
             "2,4",
             "--fp8-widths",
             "2,4",
+            "--growth-tokens",
+            "1024",
         ]
     )
     p = P.read(out)
     assert p["mode"] == "replay" and len(p["layers"]) == 30
+    assert set(p["growth"]["presets"]) == {"auto4v2", "auto2"}
     model, _ = load(None)
     caches = make_cache(model, profile=str(out), bytes_like="k4v4_g128")
     assert {(c.config.k_bits, c.config.v_bits) for c in caches} <= {(2, 2), (2, 4), (4, 2), (4, 4)}
     assert p["fp8_widths"] == [2, 4] and all(set(e["k_fp8"]) == {"2", "4"} for e in p["layers"])
     with pytest.raises(P.ProfileError, match="not on the model loaded now"):
         make_cache(tiny_model("llama64"), profile=str(out), bytes_like="auto4v2")
+
+
+def test_growth_measures_whole_caches_at_several_lengths(llama, llama_profile, text_file):
+    p = dict(llama_profile)
+    g = C.measure_growth(llama, tokenizer(), p, "auto4v2", tokens=1024, chunk=128)
+    assert list(g["presets"]) == ["auto4v2", "auto2"]  # the base and the narrowest preset
+    for kls in g["presets"].values():
+        assert list(kls) == ["512", "1024"]  # a quarter is too short to read a tile
+    for c in ("512", "1024"):
+        assert g["presets"]["auto2"][c] > g["presets"]["auto4v2"][c] > 0
+    assert g["tokens"] == 1024 and g["start_char"] == 0
+    p["growth"] = g
+    P.validate(p)
+    from kvarn_mlx import mix as M
+
+    s = M.preset_kl(p, get_preset("auto4v2"))
+    # the profile's own preset, predicted at a measured length, is what was measured there
+    assert M.predict(p, s, 1024) == pytest.approx(g["presets"]["auto4v2"]["1024"])
+    with pytest.raises(ValueError, match="--growth-tokens 400: use at least 514"):
+        C.measure_growth(llama, tokenizer(), p, "auto4v2", tokens=400)
+
+
+def test_add_growth_refuses_before_loading(tmp_path):
+    with pytest.raises(SystemExit, match="no profile file"):
+        C.main(["--out", str(tmp_path / "p.json"), "--add-growth"])
+    with pytest.raises(SystemExit, match="--add-growth measures --growth-tokens"):
+        C.main(["--out", str(tmp_path / "p.json"), "--add-growth", "--growth-tokens", "0"])
+    with pytest.raises(SystemExit, match="--growth-tokens -1"):
+        C.main(["--out", str(tmp_path / "p.json"), "--growth-tokens", "-1"])

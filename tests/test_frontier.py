@@ -180,6 +180,7 @@ def test_mixed_widths_end_to_end(tmp_path):
     calibrate_main(
         [*("--model", str(folder), "--out", str(profile), "--text", str(text)), "--text-start"]
         + ["0", *("--tokens", "384", "--measure", "128", "--chunk", "128", "--widths", "2,4")]
+        + ["--growth-tokens", "768"]
     )
     mix = f"{profile}@auto2"
     eval_main(
@@ -197,5 +198,8 @@ def test_mixed_widths_end_to_end(tmp_path):
     assert rows[mix]["tile_bytes_per_token"] <= rows["auto2"]["tile_bytes_per_token"]
     assert rows[mix]["predicted_kl"] <= rows["auto2"]["predicted_kl"]
     assert rows["auto2"]["contexts"]["384"]["kl_mean"] > 0
+    # predicted at 384 tokens, a length the growth measured (384 and 768): measured there
+    g = json.loads(profile.read_text())["growth"]["presets"]["auto2"]["384"]
+    assert rows["auto2"]["predicted_at"]["384"] == pytest.approx(g)
     md = (out / "mixed_widths_t.md").read_text()
     assert "| auto2 |" in md and "mlxq4" not in md.split("Commands:")[0]

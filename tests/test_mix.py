@@ -299,3 +299,55 @@ def test_eval_method_of_a_profile(models, tmp_path):
     assert methods.method_bits(f"{path}@auto2") == "mixed"
     with pytest.raises(ValueError, match="unknown KVarN preset"):
         methods.method_bits(f"{path}@k9v9")
+
+
+def with_growth(p, auto2, auto4v2):
+    """p with growth measurements: {tokens: measured KL} of auto2 and auto4v2."""
+    p = copy.deepcopy(p)
+    p["growth"] = {
+        "presets": {
+            "auto2": {str(c): kl for c, kl in auto2.items()},
+            "auto4v2": {str(c): kl for c, kl in auto4v2.items()},
+        }
+    }
+    return p
+
+
+def test_predict_scales_the_sum_by_the_measured_growth(models):
+    p = synthetic(models["llama64"])
+    s2, s4 = (M.preset_kl(p, get_preset(n)) for n in ("auto2", "auto4v2"))
+    assert M.predict(p, s4, 4096) == s4  # no growth measured: the sum at any context
+    # auto2 measured at 0.5x then 1x its sum, auto4v2 at 1x then 2x (a KL doubling 1K->4K)
+    g = with_growth(p, {1024: 0.5 * s2, 4096: s2}, {1024: s4, 4096: 2 * s4})
+    P.validate(g)
+    assert M.predict(g, s4) == s4  # no context: the sum
+    assert M.predict(g, s4, 1024) == pytest.approx(s4)
+    assert M.predict(g, s4, 4096) == pytest.approx(2 * s4)
+    assert M.predict(g, s4, 2048) == pytest.approx(2**0.5 * s4)  # log-log between lengths
+    assert M.predict(g, s4, 512) == pytest.approx(s4)  # below: the shortest length's ratio
+    assert M.predict(g, s4, 16384) == pytest.approx(4 * s4)  # the power law of the last two
+    assert M.predict(g, s2, 4096) == pytest.approx(s2)
+    # between the presets' sums, the ratio is interpolated by log sum: halfway, sqrt(1 * 2)
+    mid = (s2 * s4) ** 0.5
+    assert M.predict(g, mid, 4096) == pytest.approx(mid * 2**0.5)
+    assert M.predict(g, 10 * s2, 4096) == pytest.approx(10 * s2)  # beyond: the nearest preset's
+    # a KL that fell from 1K to 4K is not extrapolated to fall further
+    falling = with_growth(p, {1024: s2, 4096: 0.5 * s2}, {1024: s4, 4096: 0.5 * s4})
+    assert M.predict(falling, s4, 65536) == pytest.approx(0.5 * s4)
+
+
+@pytest.mark.parametrize(
+    "growth, match",
+    [
+        ({"presets": {}}, "growth"),
+        ({"presets": {"nope": {"1024": 0.1}}}, "not a preset"),
+        ({"presets": {"auto2": {"x": 0.1}}}, "not a number of tokens"),
+        ({"presets": {"auto2": {"1024": -1}}}, "not a number >= 0"),
+        ({"presets": {"auto2": {"1024": float("nan")}}}, "not a number >= 0"),
+    ],
+)
+def test_a_bad_growth_field_is_refused(models, growth, match):
+    p = synthetic(models["llama64"])
+    p["growth"] = growth
+    with pytest.raises(P.ProfileError, match=match):
+        P.validate(p)

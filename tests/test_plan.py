@@ -595,3 +595,31 @@ def test_cli_profile_predicts_and_adds_the_calibrated_mix(tmp_path, capsys):
         plan.main(["--model", str(folder), "--memory", "16GB", "--profile", str(PROFILE)])
     with pytest.raises(SystemExit, match="--profile: no profile file at"):
         plan.main(["--profile", str(tmp_path / "none.json")])
+
+
+def test_cli_profile_with_growth_predicts_at_the_context(capsys):
+    # profile_smollm2_1024.json holds a growth measurement (python -m kvarn_mlx.calibrate
+    # --add-growth): auto4v2's and auto2's mean KL with every layer quantized, to 4,096 tokens.
+    path = ROOT / "benchmarks" / "results" / "profile_smollm2_1024.json"
+    growth = json.loads(path.read_text())["growth"]["presets"]
+    for context, max_kl in ((4096, 0.005), (65536, 0.02)):
+        args = ["--memory", "16GB", "--profile", str(path), "--context", str(context)]
+        plan.main([*args, "--max-kl", str(max_kl), "--json"])
+        out = json.loads(capsys.readouterr().out)
+        rows = {r["cache"]: r for r in out["caches"]}
+        # the presets measured for the growth are predicted as measured at 4,096 tokens (and
+        # beyond it, at least that: the KL is not extrapolated to fall)
+        for name in ("auto4v2", "auto2"):
+            assert rows[name]["kl"] >= growth[name]["4096"] * (1 - 1e-9)
+            if context == 4096:
+                assert rows[name]["kl"] == pytest.approx(growth[name]["4096"])
+        assert f"at {context:,} tokens" in out["kl_source"]
+        assert ("extrapolated beyond" in out["kl_source"]) == (context > 4096)
+        mix = rows["calibrated mix"]  # the fewest bytes predicting max_kl at this context
+        assert mix["kl"] <= max_kl and mix["kl"] >= out["mix"]["predicted_kl"]
+    plan.main(["--memory", "16GB", "--profile", str(path), "--json"])
+    out = json.loads(capsys.readouterr().out)  # no context: the layers' sum, and how to scale it
+    assert "give --context" in out["kl_source"]
+    assert {r["cache"]: r for r in out["caches"]}["calibrated mix"]["kl"] == pytest.approx(
+        out["mix"]["predicted_kl"]
+    )

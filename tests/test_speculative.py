@@ -186,6 +186,7 @@ def test_speculative_decoding_gives_the_greedy_tokens(preset, prompt_len, draft_
     assert got == want
 
 
+@pytest.mark.slow  # the decoding itself: test_speculative_decoding_gives_the_greedy_tokens
 def test_generate_with_a_draft_model(tmp_path, capsys, monkeypatch):
     # python -m kvarn_mlx.generate --draft-model: the same text as without it.
     from kvarn_mlx import attention, generate

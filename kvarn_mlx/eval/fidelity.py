@@ -45,16 +45,18 @@ def fidelity(
     chunk=256,
     attention_mode="dequant",
     sink=SINK,
+    ids=None,
 ):
     """Teacher-forced metrics per method and context length.
 
     One run of max(contexts) tokens per method: attention is causal and chunk
     boundaries are the same, so the logits at positions < L equal those of an
     L-token run. Positions p >= sink count (predicting token p+1). Seconds per
-    method: its own model calls and metrics, summed over the chunks.
+    method: its own model calls and metrics, summed over the chunks. ids: the
+    token ids to run (default: the start of `source`).
     """
     L = max(contexts)
-    ids = tokens(tokenizer, source, L)
+    ids = tokens(tokenizer, source, L) if ids is None else list(ids[:L])
     targets = mx.array(ids[1:] + [0])
     names = ["fp"] + [m for m in methods if m != "fp"]
     # Every method's caches advance one chunk at a time, the plain cache's first:
