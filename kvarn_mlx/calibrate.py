@@ -485,7 +485,9 @@ def measure_growth(model, tokenizer, p, base, tokens=GROWTH_TOKENS, chunk=CHUNK)
 
     base_config = profiles.settings_config(p["settings"], 2, 2)
     G, S = base_config.group_size, base_config.sink_size
-    contexts = sorted({c for c in (tokens // 4, tokens // 2, tokens) if c > S + G})
+    # whole chunks: the figures at a length are read where a chunk ends
+    contexts = sorted({c - c % chunk for c in (tokens // 4, tokens // 2, tokens)} - {0})
+    contexts = [c for c in contexts if c > S + G]
     if len(contexts) < 2:
         raise ValueError(f"--growth-tokens {tokens}: use at least {2 * (S + G) + 2}, e.g. 4096")
     text = p["text"]
@@ -656,7 +658,9 @@ def main(argv=None):
     if args.add_growth:
         try:
             profiles.check_model(p, model, quantizable_layers(model)[0], args.out)
-            p["growth"] = measure_growth(model, tokenizer, p, args.base, args.growth_tokens)
+            p["growth"] = measure_growth(
+                model, tokenizer, p, args.base, args.growth_tokens, args.chunk
+            )
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
         p["growth"]["command"] = command
@@ -680,7 +684,9 @@ def main(argv=None):
             checkpoint=args.checkpoint,
         )
         if args.growth_tokens:
-            p["growth"] = measure_growth(model, tokenizer, p, args.base, args.growth_tokens)
+            p["growth"] = measure_growth(
+                model, tokenizer, p, args.base, args.growth_tokens, args.chunk
+            )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     p["command"] = command
