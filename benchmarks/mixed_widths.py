@@ -122,8 +122,8 @@ def main(argv=None):
         "of the profile's KL at each layer's key width and value width (the mix's own choice; "
         "for a preset, its widths everywhere). "
         + (
-            "Predicted at L: that sum scaled to L tokens by the growth the profile measured on "
-            "its own text (every layer quantized, "
+            "Predicted at L: that sum times how much the KL of whole caches grew from the "
+            "calibration's length to L on the profile's own text (every layer quantized, "
             + ", ".join(
                 f"{n} at {', '.join(sorted(k, key=int))} tokens"
                 for n, k in prof["growth"]["presets"].items()

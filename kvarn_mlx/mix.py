@@ -239,14 +239,14 @@ def from_profile(model, p, kvarn_layers, shapes, bytes_like=None, max_kl=None, w
     return mix, configs
 
 
-def _ratio_at(curve, context):
-    """A preset's measured KL over its layers' sum, {tokens: ratio}, at `context`:
-    log-log interpolation between the measured lengths, the shortest one's below
-    them, and the power law of the last two beyond them (never falling)."""
-    pts = sorted((c, r) for c, r in curve.items() if r > 0)
+def _kl_at(curve, context):
+    """A preset's measured mean KL, {tokens: KL}, at `context`: log-log interpolation
+    between the measured lengths, the shortest one's below them, and the power law
+    of the last two beyond them (never falling)."""
+    pts = sorted((c, kl) for c, kl in curve.items() if kl > 0)
     if not pts:
         return None
-    x, y = np.log([c for c, _ in pts]), np.log([r for _, r in pts])
+    x, y = np.log([c for c, _ in pts]), np.log([kl for _, kl in pts])
     at = math.log(context)
     if len(pts) == 1 or at <= x[-1]:
         return math.exp(np.interp(at, x, y))
@@ -256,21 +256,23 @@ def _ratio_at(curve, context):
 
 def predict(p, kl_sum, context=None):
     """The mean KL over a `context`-token text that profile p predicts for a cache
-    whose layers' KLs sum to kl_sum. Without a context, or a profile with no
-    "growth" measurement, the sum itself (the KL near the calibration's length).
-    With one: the sum times the measured-over-summed ratio of the growth presets
-    at that context, interpolated between the presets by log KL sum."""
+    whose layers' KLs sum to kl_sum. The sum is the KL near the calibration's
+    length; with a "growth" measurement, it is scaled by how much the growth
+    presets' measured KL grew from that length to `context`, interpolated between
+    the presets by log KL sum. Without a context or a growth measurement: the sum."""
     growth = p.get("growth")
     if context is None or not growth or kl_sum <= 0:
         return kl_sum
     from .config import PRESETS
 
-    curves = []  # (log of the preset's sum, log of its ratio at context)
+    base = p["text"]["tokens"]  # the calibration's length
+    curves = []  # (log of the preset's sum, log of its growth from base to context)
     for name, kls in growth["presets"].items():
         s = preset_kl(p, PRESETS[name])
-        r = _ratio_at({int(c): kl / s for c, kl in kls.items()}, context) if s else None
-        if r:
-            curves.append((math.log(s), math.log(r)))
+        curve = {int(c): kl for c, kl in kls.items()}
+        a, b = _kl_at(curve, base), _kl_at(curve, context)
+        if s and a and b:
+            curves.append((math.log(s), math.log(b / a)))
     if not curves:
         return kl_sum
     xs, ys = zip(*sorted(curves))

@@ -44,6 +44,7 @@ def synthetic(model, seed=0, layers=None):
         "settings": {k: getattr(get_preset("auto4v2"), k) for k in P.SETTINGS},
         "widths": WIDTHS,
         "layers": entries,
+        "text": {"tokens": 1024},
     }
 
 
@@ -314,23 +315,24 @@ def with_growth(p, auto2, auto4v2):
 
 
 def test_predict_scales_the_sum_by_the_measured_growth(models):
-    p = synthetic(models["llama64"])
+    p = synthetic(models["llama64"])  # calibrated on 1,024 tokens
     s2, s4 = (M.preset_kl(p, get_preset(n)) for n in ("auto2", "auto4v2"))
     assert M.predict(p, s4, 4096) == s4  # no growth measured: the sum at any context
-    # auto2 measured at 0.5x then 1x its sum, auto4v2 at 1x then 2x (a KL doubling 1K->4K)
-    g = with_growth(p, {1024: 0.5 * s2, 4096: s2}, {1024: s4, 4096: 2 * s4})
+    # from 1,024 to 4,096 tokens auto4v2's measured KL doubles, auto2's grows 4x (the
+    # measured values need not be the sums: only how they grow scales a sum)
+    g = with_growth(p, {1024: 0.5 * s2, 4096: 2 * s2}, {1024: 3 * s4, 4096: 6 * s4})
     P.validate(g)
     assert M.predict(g, s4) == s4  # no context: the sum
-    assert M.predict(g, s4, 1024) == pytest.approx(s4)
+    assert M.predict(g, s4, 1024) == pytest.approx(s4)  # at the calibration's length
     assert M.predict(g, s4, 4096) == pytest.approx(2 * s4)
     assert M.predict(g, s4, 2048) == pytest.approx(2**0.5 * s4)  # log-log between lengths
-    assert M.predict(g, s4, 512) == pytest.approx(s4)  # below: the shortest length's ratio
+    assert M.predict(g, s4, 512) == pytest.approx(s4)  # below: the shortest length's KL
     assert M.predict(g, s4, 16384) == pytest.approx(4 * s4)  # the power law of the last two
-    assert M.predict(g, s2, 4096) == pytest.approx(s2)
-    # between the presets' sums, the ratio is interpolated by log sum: halfway, sqrt(1 * 2)
+    assert M.predict(g, s2, 4096) == pytest.approx(4 * s2)
+    # between the presets' sums, the growth is interpolated by log sum: halfway, sqrt(2 * 4)
     mid = (s2 * s4) ** 0.5
-    assert M.predict(g, mid, 4096) == pytest.approx(mid * 2**0.5)
-    assert M.predict(g, 10 * s2, 4096) == pytest.approx(10 * s2)  # beyond: the nearest preset's
+    assert M.predict(g, mid, 4096) == pytest.approx(mid * 8**0.5)
+    assert M.predict(g, 10 * s2, 4096) == pytest.approx(40 * s2)  # beyond: the nearest preset's
     # a KL that fell from 1K to 4K is not extrapolated to fall further
     falling = with_growth(p, {1024: s2, 4096: 0.5 * s2}, {1024: s4, 4096: 0.5 * s4})
     assert M.predict(falling, s4, 65536) == pytest.approx(0.5 * s4)

@@ -600,19 +600,25 @@ def test_cli_profile_predicts_and_adds_the_calibrated_mix(tmp_path, capsys):
 def test_cli_profile_with_growth_predicts_at_the_context(capsys):
     # profile_smollm2_1024.json holds a growth measurement (python -m kvarn_mlx.calibrate
     # --add-growth): auto4v2's and auto2's mean KL with every layer quantized, to 4,096 tokens.
+    from kvarn_mlx import mix as mixes
+    from kvarn_mlx import profile
+
     path = ROOT / "benchmarks" / "results" / "profile_smollm2_1024.json"
-    growth = json.loads(path.read_text())["growth"]["presets"]
+    p = profile.read(path)  # calibrated on 1,024 tokens
+    growth = p["growth"]["presets"]
     for context, max_kl in ((4096, 0.005), (65536, 0.02)):
         args = ["--memory", "16GB", "--profile", str(path), "--context", str(context)]
         plan.main([*args, "--max-kl", str(max_kl), "--json"])
         out = json.loads(capsys.readouterr().out)
         rows = {r["cache"]: r for r in out["caches"]}
-        # the presets measured for the growth are predicted as measured at 4,096 tokens (and
-        # beyond it, at least that: the KL is not extrapolated to fall)
+        # the presets measured for the growth: their layers' sum times how much their KL
+        # grew from 1,024 to 4,096 tokens (and beyond, at least that: it is not extrapolated
+        # to fall)
         for name in ("auto4v2", "auto2"):
-            assert rows[name]["kl"] >= growth[name]["4096"] * (1 - 1e-9)
+            at_4k = mixes.preset_kl(p, PRESETS[name]) * growth[name]["4096"] / growth[name]["1024"]
+            assert rows[name]["kl"] >= at_4k * (1 - 1e-9)
             if context == 4096:
-                assert rows[name]["kl"] == pytest.approx(growth[name]["4096"])
+                assert rows[name]["kl"] == pytest.approx(at_4k)
         assert f"at {context:,} tokens" in out["kl_source"]
         assert ("extrapolated beyond" in out["kl_source"]) == (context > 4096)
         mix = rows["calibrated mix"]  # the fewest bytes predicting max_kl at this context
