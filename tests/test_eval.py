@@ -63,6 +63,13 @@ def test_fp_against_itself_is_exact(model):
     assert row["top1_agree"] == 1 and row["ppl_delta"] == 0
 
 
+def test_a_context_inside_a_chunk_ends_that_chunk(model):
+    res = fidelity(model, Bytes(), ["kvarn4"], [300, 512], chunk=128)
+    rows = {(r["method"], r["context"]): r for r in res["rows"]}
+    assert rows[("fp", 300)]["fp16_bytes"] == 2 * 2 * 2 * 300 * 64 * 2  # bytes held at 300
+    assert rows[("kvarn4", 300)]["bytes"] > 0 and rows[("kvarn4", 512)]["bytes"] > 0
+
+
 def test_quantized_methods_differ_and_report_bytes(model):
     res = fidelity(model, Bytes(), ["kivi2", "kvarn4", "mlxq2", "konly2"], [512], chunk=128)
     rows = {r["method"]: r for r in res["rows"]}

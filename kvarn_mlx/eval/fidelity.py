@@ -68,12 +68,15 @@ def fidelity(
     bytes_at = {name: {} for name in names}
     seconds = dict.fromkeys(names, 0.0)
     x = mx.array(ids)[None]
-    bar = Progress(len(names) * -(-L // chunk), "chunks x methods")
-    for s in range(0, L, chunk):
+    # Chunks of `chunk` tokens, a context that falls inside one ending it early: the
+    # bytes at a context are read where a chunk ends.
+    ends = sorted(set(range(chunk, L, chunk)) | set(contexts))
+    bar = Progress(len(names) * len(ends), "chunks x methods")
+    for s, e in zip([0, *ends], ends):
         lp_ref = top_ref = None
         for name in names:
             t0 = time.time()
-            lp = log_softmax(model(x[:, s : s + chunk], cache=views[name])[0])
+            lp = log_softmax(model(x[:, s:e], cache=views[name])[0])
             if name == "fp":
                 lp_ref, top_ref = lp, mx.argmax(lp, axis=-1)
             n = lp.shape[0]
