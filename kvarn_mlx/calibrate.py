@@ -485,9 +485,7 @@ def measure_growth(model, tokenizer, p, base, tokens=GROWTH_TOKENS, chunk=CHUNK)
 
     base_config = profiles.settings_config(p["settings"], 2, 2)
     G, S = base_config.group_size, base_config.sink_size
-    # whole chunks: the figures at a length are read where a chunk ends
-    contexts = sorted({c - c % chunk for c in (tokens // 4, tokens // 2, tokens)} - {0})
-    contexts = [c for c in contexts if c > S + G]
+    contexts = sorted({c for c in (tokens // 4, tokens // 2, tokens) if c > S + G})
     if len(contexts) < 2:
         raise ValueError(f"--growth-tokens {tokens}: use at least {2 * (S + G) + 2}, e.g. 4096")
     text = p["text"]
