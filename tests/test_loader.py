@@ -72,6 +72,34 @@ def test_perplexity_on_pydoc_topics(smollm, windows):
     assert ppl < 20, ppl
 
 
+def test_processes_starting_together_convert_a_model_once(tmp_path, monkeypatch):
+    """Two processes on a new machine (or two test workers) ask for the same model at
+    once: one fetches and converts, the other waits and uses its folder."""
+    import multiprocessing
+
+    monkeypatch.setenv("KVARN_MLX_HOME", str(tmp_path))
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(2) as pool:
+        paths = pool.map(_convert_slowly, [tmp_path, tmp_path])
+    assert paths[0] == paths[1] == str(tmp_path / catalogue.SMOLLM2.name)
+    assert (tmp_path / "conversions").read_text() == "x"  # converted once
+
+
+def _convert_slowly(root):
+    import time
+
+    def convert(model, root, dest):  # a conversion that takes a while and is counted
+        time.sleep(0.5)
+        with open(root / "conversions", "a") as f:
+            f.write("x")
+        dest.mkdir()
+        (dest / "done").write_text("")
+
+    folders._convert = convert
+    folders._is_current = lambda dest, model: (dest / "done").is_file()
+    return str(folders.converted_folder(catalogue.SMOLLM2))
+
+
 def test_converted_folder(smollm):
     path = loader.default_model_path()
     config = json.loads((path / "config.json").read_text())

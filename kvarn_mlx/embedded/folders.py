@@ -1,7 +1,11 @@
 """The converted MLX folders of the embedded models under $KVARN_MLX_HOME
 (default ~/.cache/kvarn_mlx): made once, renamed into place whole, redone when
-the GGUF or the converter changes (kvarn_source.json records both)."""
+the GGUF or the converter changes (kvarn_source.json records both). One process
+converts a model at a time (a lock file beside it); the others wait and use its
+folder."""
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -22,6 +26,27 @@ def converted_folder(model) -> Path:
     if _is_current(dest, model):
         return dest
     root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / f".{model.name}.lock"):
+        if _is_current(dest, model):  # another process converted it meanwhile
+            return dest
+        _convert(model, root, dest)
+    return dest
+
+
+@contextlib.contextmanager
+def _locked(path):
+    """Hold an exclusive lock on the file `path` (two processes starting on a new
+    machine would otherwise fetch into the same wheel files and replace each
+    other's folder under a reader)."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _convert(model, root, dest):
     with tempfile.TemporaryDirectory(prefix=".extract.", dir=root) as work:
         gguf_path = fetch.assemble_gguf(model, root, Path(work))
         # Convert into a temp dir and rename: an interrupted run never leaves
@@ -44,7 +69,6 @@ def converted_folder(model) -> Path:
             _move_into_place(tmp, dest, model)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return dest
 
 
 def _is_current(dest, model):
