@@ -662,7 +662,8 @@ def test_stale_conversion_is_redone(empty_home, monkeypatch):
     # Current now: a second call does not convert again.
     monkeypatch.setattr(convert, "convert", None)
     assert loader.default_model_path() == dest
-    assert sorted(p.name for p in empty_home.iterdir()) == [loader.DEFAULT_NAME, "fake.gguf"]
+    lock = f".{loader.DEFAULT_NAME}.lock"  # one conversion at a time (folders._locked)
+    assert sorted(p.name for p in empty_home.iterdir()) == [lock, loader.DEFAULT_NAME, "fake.gguf"]
 
 
 def test_interrupted_conversion_leaves_no_folder(empty_home, monkeypatch):
@@ -673,7 +674,10 @@ def test_interrupted_conversion_leaves_no_folder(empty_home, monkeypatch):
     _fake_conversion(monkeypatch, empty_home, fake_convert)
     with pytest.raises(KeyboardInterrupt):
         loader.default_model_path()
-    assert sorted(p.name for p in empty_home.iterdir()) == ["fake.gguf"]
+    assert sorted(p.name for p in empty_home.iterdir()) == [
+        f".{loader.DEFAULT_NAME}.lock",
+        "fake.gguf",
+    ]
 
 
 # The second embedded model, Gemma-3-270M (base): ~240 MB from PyPI the first
