@@ -24,7 +24,7 @@ import numpy as np
 
 from . import profile as profiles
 from .cache import KVarNCache
-from .config import get_preset
+from .config import PRESETS, get_preset
 from .profile import ProfileError, settings_config
 
 
@@ -263,8 +263,6 @@ def predict(p, kl_sum, context=None):
     growth = p.get("growth")
     if context is None or not growth or kl_sum <= 0:
         return kl_sum
-    from .config import PRESETS
-
     base = p["text"]["tokens"]  # the calibration's length
     curves = []  # (log of the preset's sum, log of its growth from base to context)
     for name, kls in growth["presets"].items():

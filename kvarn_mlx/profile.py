@@ -29,7 +29,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .atomic_json import check_target, write_json
-from .config import FP8_MAX_BITS, SUPPORTED_BITS, KVarNConfig
+from .config import FP8_MAX_BITS, PRESETS, SUPPORTED_BITS, KVarNConfig
 
 FORMAT = "kvarn-mlx-profile"
 FORMAT_VERSION = 1
@@ -173,8 +173,6 @@ def validate(p, where="the profile"):
 
 def _check_growth(bad, g):
     """The optional "growth" field: {"presets": {name: {"L": measured mean KL}}}."""
-    from .config import PRESETS
-
     presets = g.get("presets") if isinstance(g, dict) else None
     if not isinstance(presets, dict) or not presets:
         bad('"growth" must hold "presets": {preset: {context: KL}}')
@@ -186,13 +184,13 @@ def _check_growth(bad, g):
         for key, kl in kls.items():
             if not key.isdigit() or int(key) < 1:
                 bad(f"growth {name!r}: context {key!r} is not a number of tokens")
-            if (
-                not isinstance(kl, (int, float))
-                or isinstance(kl, bool)
-                or not math.isfinite(kl)
-                or kl < 0
-            ):
+            if not _is_kl(kl):
                 bad(f"growth {name!r} at {key}: KL {kl!r} is not a number >= 0")
+
+
+def _is_kl(x) -> bool:
+    """Whether x is a measured KL: a finite number >= 0 (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
 def _check_kls(bad, what, kls, widths):
@@ -208,12 +206,7 @@ def _check_kls(bad, what, kls, widths):
         kl = kls.get(str(w), "missing")
         if kl == "missing":
             bad(f"{what} has no measurement at width {w}")
-        if kl is not None and (
-            not isinstance(kl, (int, float))
-            or isinstance(kl, bool)
-            or not math.isfinite(kl)
-            or kl < 0
-        ):
+        if kl is not None and not _is_kl(kl):
             bad(f"{what} width {w}: KL {kl!r} is not a number >= 0")
     if all(kls[str(w)] is None for w in widths):
         bad(f"{what} has no width it can hold")
