@@ -17,10 +17,13 @@ from .config import DEFAULT_PRESET, FP16, PRESETS
 INTERRUPTED = 130  # the shell's exit code for a process stopped by Ctrl-C
 
 
-def add_kv_flags(p, sink=True, fp16="mlx-lm's plain cache"):
+def add_kv_flags(
+    p, sink=True, fp16="mlx-lm's plain cache", context_default="the model's context length"
+):
     """Add the KV-cache flags to parser (or argument group) p: --kv-preset, --kv-sink
     (unless sink=False: the chat app's --cli has no setting for it), --kv-tail-tokens,
-    --kv-profile, --kv-bytes-like and --kv-max-kl. fp16: what --kv-preset fp16 is there."""
+    --kv-profile, --kv-bytes-like, --kv-max-kl and --kv-context. fp16: what
+    --kv-preset fp16 is there; context_default: --kv-context's default there."""
     p.add_argument(
         "--kv-preset",
         default=DEFAULT_PRESET,
@@ -61,7 +64,17 @@ def add_kv_flags(p, sink=True, fp16="mlx-lm's plain cache"):
         type=float,
         default=None,
         metavar="KL",
-        help="With --kv-profile: the fewest bytes whose predicted KL (nats) is at most this",
+        help="With --kv-profile: the fewest bytes whose predicted KL (nats) is at most this "
+        "at --kv-context tokens",
+    )
+    p.add_argument(
+        "--kv-context",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="With --kv-max-kl: the context length the KL is predicted at (default: "
+        + context_default
+        + "; the profile's growth measurement scales the KL to it)",
     )
 
 

@@ -66,7 +66,7 @@ def setup_arg_parser():
     p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p")
     p.add_argument("--seed", type=int, default=None, help="PRNG seed")
-    add_kv_flags(p)
+    add_kv_flags(p, context_default="the prompt plus --max-tokens")
     p.add_argument(
         "--kv-fp16-layers",
         default=None,
@@ -162,8 +162,8 @@ def check_args(args):
 
 
 def kv_profile(args):
-    """(profile path, bytes_like, max_kl) for make_cache, the profile's structure
-    checked (no model needed), or (None, None, None) without --kv-profile."""
+    """(profile path, bytes_like, max_kl, context) for make_cache, the profile's
+    structure checked (no model needed), or Nones without --kv-profile."""
     if args.kv_profile is not None and args.kv_fp16_layers:
         raise UsageError(
             "--kv-fp16-layers and --kv-profile do not combine: the profile chooses every layer's "
@@ -171,7 +171,12 @@ def kv_profile(args):
         )
     try:
         return profiles.flags(
-            args.kv_profile, args.kv_bytes_like, args.kv_max_kl, DEFAULT_PRESET, args.kv_tail_tokens
+            args.kv_profile,
+            args.kv_bytes_like,
+            args.kv_max_kl,
+            DEFAULT_PRESET,
+            args.kv_tail_tokens,
+            args.kv_context,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -553,16 +558,21 @@ def generate(args):
     if reuse:
         cache, _ = prompt_cache.load(cache_file, identity)
         name = f"loaded from {cache_file.name}"
-    else:
-        profile, bytes_like, max_kl = kv_profile(args)
+    held = getattr(cache[0], "offset", 0) if reuse and cache else 0
+    max_tokens = context_limit(model, args, held, len(prompt_ids))
+    if not reuse:
+        profile, bytes_like, max_kl, context = kv_profile(args)
+        if max_kl is not None:  # holds over what this run can reach: prompt and new tokens
+            context = context or len(prompt_ids) + max_tokens
         if profile is not None:
             try:
-                mix = profile_mix(model, profile, bytes_like, max_kl)[0]
+                mix = profile_mix(model, profile, bytes_like, max_kl, context)[0]
                 cache = make_cache(
                     model,
                     profile=profile,
                     bytes_like=bytes_like,
                     max_kl=max_kl,
+                    context=context,
                     sink=args.kv_sink,
                     tail_tokens=args.kv_tail_tokens,
                 )
@@ -591,8 +601,6 @@ def generate(args):
             )
             if args.kv_tail_tokens and args.kv_preset != FP16:
                 name += f", newest {args.kv_tail_tokens} tokens in full precision"
-    held = getattr(cache[0], "offset", 0) if cache else 0
-    max_tokens = context_limit(model, args, held, len(prompt_ids))
 
     with CtrlC() as ctrl_c:
         text, last = run(

@@ -21,6 +21,7 @@ from mlx_lm.models.cache import CacheList, KVCache
 from .attention import packed_attention
 from .batch_cache import BatchKVarNCache
 from .cache import KVarNCache, cannot_hold
+from .cli_support import model_context
 from .config import DEFAULT_PRESET, FP16, get_preset
 
 log = logging.getLogger("kvarn_mlx")
@@ -129,6 +130,7 @@ def make_cache(
     profile=None,
     bytes_like=None,
     max_kl=None,
+    context=None,
     **overrides,
 ):
     """The model's prompt cache with plain KVCache layers replaced by KVarNCache.
@@ -139,19 +141,20 @@ def make_cache(
     cache whatever the preset. profile: a calibration profile of this model
     (python -m kvarn_mlx.calibrate) from which each layer gets its own key and
     value widths (mix.py), with bytes_like (a preset: at most its bytes, the
-    least predicted KL) or max_kl (the fewest bytes predicting at most that KL);
-    it replaces preset. overrides set config fields
-    (e.g. sink=0), for names and configs alike. KVCaches inside a CacheList are
-    replaced too; other cache kinds (sliding-window, recurrent) are left as they
-    are, and so is a KVCache whose head dims KVarN cannot hold (cache.cannot_hold;
-    said once). Also turns on the packed-attention patch.
+    least predicted KL) or max_kl (the fewest bytes predicting at most that KL at
+    `context` tokens, by default the model's context length); it replaces
+    preset. overrides set config fields (e.g. sink=0), for names and configs alike.
+    KVCaches inside a CacheList are replaced too; other cache kinds
+    (sliding-window, recurrent) are left as they are, and so is a KVCache whose
+    head dims KVarN cannot hold (cache.cannot_hold; said once). Also turns on
+    the packed-attention patch.
     """
     if profile is not None:
         if fp16_layers:
             raise ValueError(
                 "fp16_layers and a profile do not combine: the profile chooses every layer's widths"
             )
-        preset = profile_mix(model, profile, bytes_like, max_kl)[1]
+        preset = profile_mix(model, profile, bytes_like, max_kl, context)[1]
     elif bytes_like is not None or max_kl is not None:
         raise ValueError(
             "bytes_like and max_kl choose widths from a calibration profile: pass profile= too"
@@ -216,15 +219,19 @@ def quantizable_layers(model):
     return layers, shapes
 
 
-# (id(model), profile file, its mtime and size, bytes_like, max_kl) -> (model ref, Mix, configs)
+# (id(model), profile file, its mtime and size, bytes_like, max_kl, context)
+# -> (model ref, Mix, configs)
 _mixes = {}
 
 
-def profile_mix(model, profile, bytes_like=None, max_kl=None):
+def profile_mix(model, profile, bytes_like=None, max_kl=None, context=None):
     """(Mix, per-layer configs for make_cache) of this model from a calibration
     profile (a path). Refuses, before any cache is built, a profile of another
     model, one missing a layer make_cache quantizes, or with a width KVarN does
-    not support (profile.ProfileError). Computed once per model and file."""
+    not support (profile.ProfileError). Computed once per model and file.
+    With max_kl, the KL is predicted at `context` tokens (mix.predict), by default
+    the model's context length: a cache that grows that long stays within max_kl
+    (if the model states no context length, at the calibration's length)."""
     from . import mix as mixes
     from . import profile as profiles
 
@@ -235,13 +242,17 @@ def profile_mix(model, profile, bytes_like=None, max_kl=None):
         raise profiles.ProfileError(
             f"no profile file at {path}; make one with python -m kvarn_mlx.calibrate --out {path}"
         ) from None
-    key = (id(model), str(path.resolve()), st.st_mtime_ns, st.st_size, bytes_like, max_kl)
+    if max_kl is not None and context is None:
+        context = model_context(model)
+    key = (id(model), str(path.resolve()), st.st_mtime_ns, st.st_size, bytes_like, max_kl, context)
     hit = _mixes.get(key)
     if hit is not None and hit[0]() is model:
         return hit[1], hit[2]
     p = profiles.read(path)
     layers, shapes = quantizable_layers(model)
-    mix, configs = mixes.from_profile(model, p, layers, shapes, bytes_like, max_kl, where=str(path))
+    mix, configs = mixes.from_profile(
+        model, p, layers, shapes, bytes_like, max_kl, context, where=str(path)
+    )
     per_layer = [configs.get(i) for i in range(len(mlx_cache.make_prompt_cache(model)))]
     _mixes[key] = (weakref.ref(model), mix, per_layer)
     return mix, per_layer

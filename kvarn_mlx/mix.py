@@ -57,6 +57,8 @@ class Mix:
     budget: dict = field(
         default_factory=dict
     )  # the preset's tile bytes and predicted KL, for bytes_like
+    context: int = None  # with max_kl: the tokens its KL is predicted at (predict)
+    context_kl: float = None  # predict(profile, predicted_kl, context)
 
     @property
     def bytes_per_token(self):
@@ -73,6 +75,11 @@ class Mix:
             "widths": {str(l): self.label(l) for l in sorted(self.widths)},
             "tile_bytes_per_token": self.bytes_per_token,
             "predicted_kl": self.predicted_kl,
+            **(
+                {"context": self.context, "predicted_kl_at_context": self.context_kl}
+                if self.context
+                else {}
+            ),
             "target": self.target,
             **({"preset": self.budget} if self.budget else {}),
         }
@@ -85,6 +92,7 @@ class Mix:
         out = (
             f"KV widths from the profile ({self.target}): {common}; "
             f"{self.bytes_per_token:,.1f} tile bytes/token, predicted KL {self.predicted_kl:.4g}"
+            + (f" ({self.context_kl:.4g} at {self.context:,} tokens)" if self.context else "")
         )
         if self.budget:
             out += (
@@ -153,10 +161,12 @@ def _options(p, shapes):
     return groups
 
 
-def choose(p, shapes, bytes_like=None, max_kl=None) -> Mix:
+def choose(p, shapes, bytes_like=None, max_kl=None, context=None) -> Mix:
     """The mix for profile p on layers of these shapes ({layer: (kv heads, key dim,
     value dim, dtype)}): the least predicted KL within the tile bytes of the
-    preset bytes_like, or the fewest bytes whose predicted KL is at most max_kl."""
+    preset bytes_like, or the fewest bytes whose predicted KL is at most max_kl;
+    with `context` (and a profile that measured growth), the KL predicted at that
+    many tokens (predict) is at most max_kl."""
     if (bytes_like is None) == (max_kl is None):
         raise ValueError(
             "a profile needs exactly one of bytes_like (a preset whose bytes to match) or max_kl"
@@ -189,18 +199,25 @@ def choose(p, shapes, bytes_like=None, max_kl=None) -> Mix:
         if not (isinstance(max_kl, (int, float)) and max_kl > 0 and math.isfinite(max_kl)):
             raise ValueError(f"max_kl={max_kl!r}: give a KL in nats > 0, e.g. 0.005")
         budget = sum(max(c for _, c, _ in opts) for _, opts in groups) // unit
-        target = f"predicted KL <= {max_kl:g}"
+        if context is not None and not (isinstance(context, int) and context > 0):
+            raise ValueError(f"context={context!r}: give the context length in tokens, e.g. 32768")
+        if not p.get("growth"):
+            context = None  # nothing to scale the sum by
+        at = f" at {context:,} tokens" if context else ""
+        target = f"predicted KL <= {max_kl:g}{at}"
     scaled = [[(c // unit, kl) for _, c, kl in opts] for _, opts in groups]
     chosen, best = allocate(scaled, budget)
     if chosen is None:
         raise ValueError("no widths fit that many bytes")
     if max_kl is not None:
-        if best[budget] > max_kl:
+        # best[b]: the least summed KL in b units of bytes; each predicted at the context
+        kl_at = predict(p, best, context)
+        if kl_at[budget] > max_kl:
             raise ValueError(
-                f"the profile predicts KL {best[budget]:.4g} at best (8-bit keys and values "
+                f"the profile predicts KL {kl_at[budget]:.4g}{at} at best (8-bit keys and values "
                 f"everywhere), above max_kl={max_kl:g}; ask for more, or use the plain cache (fp16)"
             )
-        budget = int(np.argmax(best <= max_kl))
+        budget = int(np.argmax(kl_at <= max_kl))
         chosen, _ = allocate(scaled, budget)
     widths, fp8, total, kl = {}, set(), 0, 0.0
     for (layer, opts), i in zip(groups, chosen):
@@ -209,7 +226,10 @@ def choose(p, shapes, bytes_like=None, max_kl=None) -> Mix:
         if one_byte:
             fp8.add(layer)
         total, kl = total + c, kl + k
-    return Mix(widths, frozenset(fp8), total, kl, G, target, preset or {})
+    mix = Mix(widths, frozenset(fp8), total, kl, G, target, preset or {})
+    if max_kl is not None and context:
+        mix.context, mix.context_kl = context, float(predict(p, kl, context))
+    return mix
 
 
 def preset_kl(p, config):
@@ -224,13 +244,15 @@ def preset_kl(p, config):
     return None if any(kl is None for kl in kls) else sum(kls)
 
 
-def from_profile(model, p, kvarn_layers, shapes, bytes_like=None, max_kl=None, where="the profile"):
+def from_profile(
+    model, p, kvarn_layers, shapes, bytes_like=None, max_kl=None, context=None, where="the profile"
+):
     """(Mix, {layer: KVarNConfig}) for this model from profile p (profile.read's),
     after refusing one of another model or with missing layers.
     kvarn_layers: the layers make_cache quantizes; shapes: their kv_shapes."""
     profiles.check_model(p, model, kvarn_layers, where)
     try:
-        mix = choose(p, shapes, bytes_like=bytes_like, max_kl=max_kl)
+        mix = choose(p, shapes, bytes_like=bytes_like, max_kl=max_kl, context=context)
     except ValueError as e:
         raise ProfileError(f"{where}: {e}") from None
     configs = {
@@ -256,12 +278,13 @@ def _kl_at(curve, context):
 
 def predict(p, kl_sum, context=None):
     """The mean KL over a `context`-token text that profile p predicts for a cache
-    whose layers' KLs sum to kl_sum. The sum is the KL near the calibration's
-    length; with a "growth" measurement, it is scaled by how much the growth
-    presets' measured KL grew from that length to `context`, interpolated between
-    the presets by log KL sum. Without a context or a growth measurement: the sum."""
+    whose layers' KLs sum to kl_sum (a number, or a numpy array of them). The sum
+    is the KL near the calibration's length; with a "growth" measurement, it is
+    scaled by how much the growth presets' measured KL grew from that length to
+    `context`, interpolated between the presets by log KL sum. Without a context or
+    a growth measurement: the sum."""
     growth = p.get("growth")
-    if context is None or not growth or kl_sum <= 0:
+    if context is None or not growth:
         return kl_sum
     base = p["text"]["tokens"]  # the calibration's length
     curves = []  # (log of the preset's sum, log of its growth from base to context)
@@ -274,4 +297,7 @@ def predict(p, kl_sum, context=None):
     if not curves:
         return kl_sum
     xs, ys = zip(*sorted(curves))
-    return kl_sum * math.exp(np.interp(math.log(kl_sum), xs, ys))
+    with np.errstate(divide="ignore", invalid="ignore"):  # sums of 0 and inf stay as they are
+        factor = np.exp(np.interp(np.log(kl_sum), xs, ys))
+    out = np.where(np.asarray(kl_sum) > 0, kl_sum * factor, kl_sum)
+    return float(out) if np.ndim(out) == 0 else out

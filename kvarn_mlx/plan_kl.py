@@ -73,22 +73,15 @@ def with_profile(path, model_arg, max_kl, base=None, context=None):
         if predicted is not None:
             kl[name] = (mix.predict(p, predicted, context), "predicted")
     q = Quality(kl, _source(path, p, context) + (f"; {base.source}" if base else ""))
-    target = {"bytes_like": DEFAULT_PRESET}
-    if max_kl is not None:  # the layers' sum that predicts max_kl at the context
-        target = {"max_kl": max_kl * max_kl / mix.predict(p, max_kl, context)}
+    target = {"bytes_like": DEFAULT_PRESET} if max_kl is None else {"max_kl": max_kl}
     try:
-        for _ in range(8):
-            q.mix, configs = mix.from_profile(model, p, layers, shapes, where=str(path), **target)
-            q.mix_kl = mix.predict(p, q.mix.predicted_kl, context)
-            if max_kl is None or q.mix_kl <= max_kl:
-                break
-            target = {"max_kl": target["max_kl"] * max_kl / q.mix_kl * 0.999}
+        q.mix, configs = mix.from_profile(
+            model, p, layers, shapes, context=context, where=str(path), **target
+        )
     except profile.ProfileError as e:
         q.mix, q.mix_error = None, str(e)
         return q
-    if max_kl is not None:  # what was asked, not the sum it came to
-        at = f" at {context:,} tokens" if context is not None and "growth" in p else ""
-        q.mix.target = f"predicted KL <= {max_kl:g}{at}"
+    q.mix_kl = mix.predict(p, q.mix.predicted_kl, context)
     q.mix_configs = [configs.get(i) for i in range(len(make_prompt_cache(model)))]
     return q
 

@@ -233,10 +233,11 @@ def check_model(p, model, layers, where="the profile"):
         raise ProfileError(f"{where} {what}; calibrate again (python -m kvarn_mlx.calibrate)")
 
 
-def flags(profile, bytes_like, max_kl, default_bytes_like, tail_tokens=None):
-    """(profile, bytes_like, max_kl) for make_cache from the CLIs' --kv-profile,
-    --kv-bytes-like and --kv-max-kl, the profile file's structure checked (no
-    model needed); (None, None, None) without a profile. Without either target,
+def flags(profile, bytes_like, max_kl, default_bytes_like, tail_tokens=None, context=None):
+    """(profile, bytes_like, max_kl, context) for make_cache from the CLIs'
+    --kv-profile, --kv-bytes-like, --kv-max-kl and --kv-context, the profile file's
+    structure checked (no model needed); (None, None, None, None) without a
+    profile. Without either target,
     the widths match default_bytes_like's bytes. tail_tokens (--kv-tail-tokens)
     is checked against the profile's tile size, which replaces the preset's.
     Raises ValueError naming the flag."""
@@ -246,13 +247,25 @@ def flags(profile, bytes_like, max_kl, default_bytes_like, tail_tokens=None):
                 "--kv-bytes-like and --kv-max-kl choose widths from a calibration profile: "
                 "pass --kv-profile PROFILE.json too"
             )
-        return None, None, None
+        if context is not None:
+            raise ValueError(
+                "--kv-context is the context --kv-max-kl holds at: pass --kv-profile "
+                "PROFILE.json and --kv-max-kl too"
+            )
+        return None, None, None, None
     if bytes_like is not None and max_kl is not None:
         raise ValueError(
             "--kv-bytes-like and --kv-max-kl: give one (a preset's bytes, or a KL target)"
         )
     if max_kl is not None and not (math.isfinite(max_kl) and max_kl > 0):
         raise ValueError(f"--kv-max-kl {max_kl}: give a KL in nats > 0, e.g. 0.005")
+    if context is not None and max_kl is None:
+        raise ValueError(
+            "--kv-context is the context --kv-max-kl holds at; --kv-bytes-like does not "
+            "depend on it: give --kv-max-kl, or leave --kv-context out"
+        )
+    if context is not None and context <= 0:
+        raise ValueError(f"--kv-context {context}: give the context length in tokens, e.g. 32768")
     if max_kl is None and bytes_like is None:
         bytes_like = default_bytes_like
     if bytes_like is not None:
@@ -271,18 +284,19 @@ def flags(profile, bytes_like, max_kl, default_bytes_like, tail_tokens=None):
             replace(settings_config(settings, 2, 2), tail_tokens=tail_tokens)
         except ValueError as e:
             raise ValueError(f"--kv-tail-tokens with --kv-profile {profile}: {e}") from None
-    return profile, bytes_like, max_kl
+    return profile, bytes_like, max_kl, context
 
 
 def from_settings(settings, default_bytes_like):
     """flags() of parsed CLI settings
-    (kv_profile, kv_bytes_like, kv_max_kl; absent ones are None)."""
+    (kv_profile, kv_bytes_like, kv_max_kl, kv_context; absent ones are None)."""
     return flags(
         getattr(settings, "kv_profile", None),
         getattr(settings, "kv_bytes_like", None),
         getattr(settings, "kv_max_kl", None),
         default_bytes_like,
         getattr(settings, "kv_tail_tokens", None),
+        getattr(settings, "kv_context", None),
     )
 
 

@@ -101,3 +101,26 @@ def test_bad_input_exits_with_the_fix(capsys, smollm, tmp_path):
 def test_quiet_run_prints_just_the_text(capsys, smollm):
     out = run(capsys, "--prompt", QUESTION, "--verbose", "false").out
     assert "Paris" in out and "KV cache:" not in out
+
+
+def test_max_kl_holds_at_the_context_the_run_reaches(capsys, smollm):
+    # The committed SmolLM2 profile measured how the KL grows to 4,096 tokens: by default
+    # --kv-max-kl is predicted at the prompt plus --max-tokens; --kv-context sets another.
+    import re
+    from pathlib import Path
+
+    profile = Path(__file__).parents[1] / "benchmarks" / "results" / "profile_smollm2_1024.json"
+    base = ["--prompt", QUESTION, "--kv-profile", str(profile), "--kv-max-kl", "0.02"]
+    widths = {}
+    for context in (None, 65536):
+        err = run(capsys, *base, *(["--kv-context", str(context)] if context else [])).err
+        line = next(l for l in err.splitlines() if l.startswith("KV widths from the profile"))
+        at = int(re.search(r"predicted KL <= 0.02 at ([\d,]+) tokens", line)[1].replace(",", ""))
+        kl = float(re.search(r"\(([\d.e-]+) at [\d,]+ tokens\)", line)[1])
+        assert kl <= 0.02
+        widths[context] = float(re.search(r"([\d,.]+) tile bytes/token", line)[1].replace(",", ""))
+        if context is None:
+            assert 20 < at <= 20 + 64  # the prompt's tokens and --max-tokens 20
+        else:
+            assert at == context
+    assert widths[65536] > widths[None]  # the KL grows with the context: wider layers

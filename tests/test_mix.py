@@ -202,6 +202,59 @@ def test_max_kl_gives_the_fewest_bytes_below_it(models):
         M.choose(p, shapes, max_kl=1e-12)
 
 
+def test_max_kl_at_a_context_holds_there(models):
+    """With a context, max_kl bounds the KL predicted there: with every cache's KL
+    measured to double from 1K to 4K tokens, the mix for max_kl at 4K is exactly the
+    mix for max_kl / 2 on the sum; the fewest bytes that predict it."""
+    model = models["llama64"]
+    p = synthetic(model)
+    shapes = integration.quantizable_layers(model)[1]
+    s2, s4 = (M.preset_kl(p, get_preset(n)) for n in ("auto2", "auto4v2"))
+    g = with_growth(p, {1024: s2, 4096: 2 * s2}, {1024: s4, 4096: 2 * s4})
+    for target in (0.05, 0.01, 0.003):
+        m = M.choose(g, shapes, max_kl=target, context=4096)
+        half = M.choose(g, shapes, max_kl=target / 2)
+        assert (m.widths, m.fp8, m.tile_bytes) == (half.widths, half.fp8, half.tile_bytes)
+        assert m.context == 4096 and m.context_kl == pytest.approx(2 * m.predicted_kl)
+        assert m.context_kl <= target and "at 4,096 tokens" in m.target
+        assert "at 4,096 tokens" in m.describe() and m.summary()["context"] == 4096
+        # at the calibration's length, nothing to scale: the mix of the sum
+        at_1k = M.choose(g, shapes, max_kl=target, context=1024)
+        assert at_1k.widths == M.choose(g, shapes, max_kl=target).widths
+    # a profile without a growth measurement chooses on the sum at any context
+    assert (
+        M.choose(p, shapes, max_kl=0.01, context=4096).widths
+        == M.choose(p, shapes, max_kl=0.01).widths
+    )
+    with pytest.raises(ValueError, match=r"at 4,096 tokens at best"):
+        M.choose(g, shapes, max_kl=1e-12, context=4096)
+    with pytest.raises(ValueError, match="context"):
+        M.choose(g, shapes, max_kl=0.01, context=-5)
+
+
+def test_make_cache_max_kl_holds_over_the_models_context(models, tmp_path):
+    """make_cache(profile=, max_kl=) predicts at the model's context length unless
+    given another; a model that states none gets the sum."""
+    model = models["gemma3"]  # max_position_embeddings 4096
+    p = synthetic(model)
+    layers, shapes = integration.quantizable_layers(model)
+    s2, s4 = (M.preset_kl(p, get_preset(n)) for n in ("auto2", "auto4v2"))
+    path = save(tmp_path, with_growth(p, {1024: s2, 4096: 4 * s2}, {1024: s4, 4096: 4 * s4}))
+    mix = profile_mix(model, path, max_kl=0.01)[0]
+    assert mix.context == 4096 and mix.context_kl <= 0.01
+    assert mix.widths == M.choose(P.read(path), shapes, max_kl=0.0025).widths
+    assert (
+        profile_mix(model, path, max_kl=0.01, context=1024)[0].widths
+        == M.choose(P.read(path), shapes, max_kl=0.01).widths
+    )
+    caches = make_cache(model, profile=path, max_kl=0.01)
+    held = {i: (c.config.k_bits, c.config.v_bits) for i, c in enumerate(caches) if i in layers}
+    assert held == mix.widths
+    no_context = models["llama64"]  # states no context length: near the calibration's
+    path = save(tmp_path, with_growth(synthetic(no_context), *[{1024: 1, 4096: 4}] * 2), "n.json")
+    assert profile_mix(no_context, path, max_kl=0.01)[0].context is None
+
+
 def test_refusals_come_before_any_cache_is_built(models, tmp_path, monkeypatch):
     model = models["llama64"]
     good = synthetic(model)
@@ -273,18 +326,28 @@ def test_generate_flags(tmp_path, models):
         )
     with pytest.raises(generate.UsageError, match="--kv-bytes-like"):
         generate.check_args(parse(["--kv-profile", path, "--kv-bytes-like", "k9v2"]))
-    assert generate.kv_profile(parse(["--kv-profile", path])) == (path, "auto4v2", None)
+    assert generate.kv_profile(parse(["--kv-profile", path])) == (path, "auto4v2", None, None)
     # the profile's tile size (128), not the preset's, is what a tail must be a multiple of
     with pytest.raises(generate.UsageError, match="--kv-tail-tokens with --kv-profile"):
         generate.check_args(parse(["--kv-profile", path, "--kv-tail-tokens", "64"]))
     tail = parse(["--kv-profile", path, "--kv-tail-tokens", "256", "--kv-preset", "k4v2_g64"])
     generate.check_args(tail)
-    assert generate.kv_profile(tail) == (path, "auto4v2", None)
+    assert generate.kv_profile(tail) == (path, "auto4v2", None, None)
     assert generate.kv_profile(parse(["--kv-profile", path, "--kv-max-kl", "0.01"])) == (
         path,
         None,
         0.01,
+        None,
     )
+    at = ["--kv-profile", path, "--kv-max-kl", "0.01", "--kv-context", "8192"]
+    assert generate.kv_profile(parse(at)) == (path, None, 0.01, 8192)
+    for argv, message in (
+        (["--kv-context", "8192"], "pass --kv-profile"),
+        (["--kv-profile", path, "--kv-context", "8192"], "give --kv-max-kl"),
+        (["--kv-profile", path, "--kv-max-kl", "0.01", "--kv-context", "0"], "--kv-context 0"),
+    ):
+        with pytest.raises(generate.UsageError, match=message):
+            generate.check_args(parse(argv))
 
 
 def test_eval_method_of_a_profile(models, tmp_path):

@@ -80,6 +80,7 @@ def main(argv=None):
                 args.kv_max_kl,
                 DEFAULT_PRESET,
                 args.kv_tail_tokens,
+                args.kv_context,
             )
         except ValueError as e:
             sys.exit(f"error: {e}")

@@ -45,13 +45,13 @@ class Engine:
         max_tokens=512,
         temp=0.0,
         loaded=None,
-        profile=(None, None, None),
+        profile=(None, None, None, None),
         tail_tokens=None,
     ):
         """models: --model values (None = embedded); the first is loaded.
         loaded: an already loaded (model, tokenizer) for models[0] (tests).
-        profile: (--kv-profile, --kv-bytes-like, --kv-max-kl), per-layer widths instead of the
-        preset's. tail_tokens: --kv-tail-tokens (None: the preset's)."""
+        profile: (--kv-profile, --kv-bytes-like, --kv-max-kl, --kv-context), per-layer widths
+        instead of the preset's. tail_tokens: --kv-tail-tokens (None: the preset's)."""
         self.specs = {model_id(s): s for s in models}
         self.profile = profile
         self.tail_tokens = tail_tokens
@@ -84,12 +84,13 @@ class Engine:
 
     def new_chat(self):
         if self.profile[0] is not None:
-            path, bytes_like, max_kl = self.profile
+            path, bytes_like, max_kl, context = self.profile
             self.cache = make_cache(
                 self.model,
                 profile=path,
                 bytes_like=bytes_like,
                 max_kl=max_kl,
+                context=context,
                 tail_tokens=self.tail_tokens,
             )
         else:

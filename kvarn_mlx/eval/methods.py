@@ -18,7 +18,8 @@ Methods, at B = 2, 4 or 8 bits (every tile method uses the same sink and tail):
   konlyB / vonlyB  KVarN on K only / V only, the other side in full precision
   any preset name (k4v2_g128, auto4v2, ...) or kXvY_gG[_auto] name (k5v3_g128, ...)
   PROFILE.json@PRESET  per-layer widths from a calibration profile at PRESET's bytes
-  PROFILE.json@kl0.005 the same for a predicted KL of at most 0.005 (make_cache's max_kl)
+  PROFILE.json@kl0.005 the same for a predicted KL of at most 0.005 (make_cache's max_kl,
+                       at the model's context length)
 
 Variants, appended to a tile method's name (no commas: they separate methods):
   +fp8          scales stored as e4m3 bytes (scale_dtype="fp8"; codes <= 4 bits)

@@ -4,8 +4,9 @@ This runs mlx_lm.server itself (its flags, endpoints and behaviour: chat and
 text completions, streaming, tools, stop words, logprobs, batching, the LRU
 prompt cache), with:
 - every KV cache it makes built by kvarn_mlx.make_cache (--kv-preset, --kv-sink, --kv-tail-tokens;
-  --kv-profile with --kv-bytes-like or --kv-max-kl: per-layer widths, which
-  /v1/kv_stats shows as kv_widths);
+  --kv-profile with --kv-bytes-like or --kv-max-kl (held at --kv-context, by
+  default the model's context length): per-layer widths, which /v1/kv_stats
+  shows as kv_widths);
   KVarN caches merge into batches, so requests are batched;
 - the embedded default model when --model is omitted;
 - GET /v1/models (and /v1/models/ID): the served model and the Hugging Face

@@ -53,10 +53,12 @@ MLX_LM_PRIVATE = {
 # -- caches ---------------------------------------------------------------------------
 
 
-def cache_factory(preset, sink=None, provider=None, profile=(None, None, None), tail_tokens=None):
+def cache_factory(
+    preset, sink=None, provider=None, profile=(None, None, None, None), tail_tokens=None
+):
     """mlx-lm's make_prompt_cache(model, max_kv_size=None), building KVarN
     caches (preset "fp16": mlx-lm's own caches; profile: (--kv-profile,
-    --kv-bytes-like, --kv-max-kl), per-layer widths instead of the preset's;
+    --kv-bytes-like, --kv-max-kl, --kv-context), per-layer widths instead of the preset's;
     sink, tail_tokens: --kv-sink, --kv-tail-tokens, None for the preset's).
     The draft model of speculative decoding keeps mlx-lm's plain cache: it only
     proposes tokens."""
@@ -71,16 +73,21 @@ def cache_factory(preset, sink=None, provider=None, profile=(None, None, None), 
         if provider is not None and model is provider.draft_model:
             return mlx_cache.make_prompt_cache(model)
         if config is None:
-            path, bytes_like, max_kl = profile
+            path, bytes_like, max_kl, context = profile
             return make_cache(
-                model, profile=path, bytes_like=bytes_like, max_kl=max_kl, **overrides
+                model,
+                profile=path,
+                bytes_like=bytes_like,
+                max_kl=max_kl,
+                context=context,
+                **overrides,
             )
         return make_cache(model, config)
 
     return make_prompt_cache
 
 
-def install_caches(preset, sink, provider=None, profile=(None, None, None), tail_tokens=None):
+def install_caches(preset, sink, provider=None, profile=(None, None, None, None), tail_tokens=None):
     """Rebind make_prompt_cache where mlx_lm.server and mlx_lm.generate (for its
     BatchGenerator) look it up."""
     make_prompt_cache = cache_factory(preset, sink, provider, profile, tail_tokens)
