@@ -479,15 +479,20 @@ def growth_presets(settings, base):
 def measure_growth(model, tokenizer, p, base, tokens=GROWTH_TOKENS, chunk=CHUNK):
     """How the mean KL of whole caches grows with the context on profile p's
     calibration text: each growth preset's mean KL over positions 128..L-2 (as
-    the evals measure it) at a quarter, half and all of `tokens`, every layer
+    the evals measure it) at the calibration's length, its doublings and `tokens`
+    (one run of `tokens`: the shorter lengths cost nothing more), every layer
     quantized, packed attention. mix.predict scales a mix's summed KL by it."""
     from .eval.fidelity import fidelity
 
     base_config = profiles.settings_config(p["settings"], 2, 2)
     G, S = base_config.group_size, base_config.sink_size
-    contexts = sorted({c for c in (tokens // 4, tokens // 2, tokens) if c > S + G})
-    if len(contexts) < 2:
-        raise ValueError(f"--growth-tokens {tokens}: use at least {2 * (S + G) + 2}, e.g. 4096")
+    n = p["text"]["tokens"]  # where mix.predict's scaling starts
+    if tokens <= n:
+        raise ValueError(
+            f"--growth-tokens {tokens}: use more than the calibration's {n:,} tokens, e.g. {4 * n}"
+        )
+    lengths = [n << i for i in range(tokens.bit_length()) if n << i < tokens] + [tokens]
+    contexts = sorted({c for c in lengths if c > S + G})
     text = p["text"]
     ids, start = calibration_tokens(tokenizer, text["source"], text["start_char"], tokens)
     names = growth_presets(p["settings"], base)
@@ -644,6 +649,12 @@ def main(argv=None):
             if not args.growth_tokens:
                 raise ValueError("--add-growth measures --growth-tokens tokens: give more than 0")
             p = profiles.read(args.out)
+        n = p["text"]["tokens"] if args.add_growth else args.tokens
+        if args.growth_tokens and args.growth_tokens <= n:  # growth starts at the calibration's
+            raise ValueError(
+                f"--growth-tokens {args.growth_tokens}: use more than the calibration's {n:,} "
+                f"tokens, e.g. {4 * n}"
+            )
         read_checkpoint(args.checkpoint, None)  # a file that is not one is refused now
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None

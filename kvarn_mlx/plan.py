@@ -376,6 +376,15 @@ def format_plan(p):
             f"context    the model takes up to {p['max_position_embeddings']:,} tokens "
             "(max_position_embeddings)"
         )
+        if ctx is not None and ctx > p["max_position_embeddings"] and p["kl_source"]:
+            lines += textwrap.wrap(
+                f"note       --context {ctx:,} is past the model's context: the plain cache's "
+                "own output degrades there and every cache's KL to it jumps, the calibrated "
+                "mixes' most; KLs quoted at it are less reliable (docs/results.md, \"Predicting "
+                'the KL at a context")',
+                100,
+                subsequent_indent=" " * 11,
+            )
     if p["mix"]:
         widths = {}
         for kv in p["mix"]["widths"].values():

@@ -237,9 +237,9 @@ def flags(profile, bytes_like, max_kl, default_bytes_like, tail_tokens=None, con
     """(profile, bytes_like, max_kl, context) for make_cache from the CLIs'
     --kv-profile, --kv-bytes-like, --kv-max-kl and --kv-context, the profile file's
     structure checked (no model needed); (None, None, None, None) without a
-    profile. Without either target,
-    the widths match default_bytes_like's bytes. tail_tokens (--kv-tail-tokens)
-    is checked against the profile's tile size, which replaces the preset's.
+    profile. Without either target, the widths match default_bytes_like's bytes.
+    tail_tokens (--kv-tail-tokens) is checked against the profile's tile size,
+    which replaces the preset's.
     Raises ValueError naming the flag."""
     if profile is None:
         if bytes_like is not None or max_kl is not None:

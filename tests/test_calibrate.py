@@ -232,8 +232,8 @@ def test_growth_measures_whole_caches_at_several_lengths(llama, llama_profile, t
     g = C.measure_growth(llama, tokenizer(), p, "auto4v2", tokens=1024, chunk=128)
     assert list(g["presets"]) == ["auto4v2", "auto2"]  # the base and the narrowest preset
     for kls in g["presets"].values():
-        assert list(kls) == ["512", "1024"]  # a quarter is too short to read a tile
-    for c in ("512", "1024"):
+        assert list(kls) == ["384", "768", "1024"]  # the calibration's length, doubled, all
+    for c in ("384", "768", "1024"):
         assert g["presets"]["auto2"][c] > g["presets"]["auto4v2"][c] > 0
     assert g["tokens"] == 1024 and g["start_char"] == 0
     p["growth"] = g
@@ -241,11 +241,14 @@ def test_growth_measures_whole_caches_at_several_lengths(llama, llama_profile, t
     from kvarn_mlx import mix as M
 
     s, kl = M.preset_kl(p, get_preset("auto4v2")), g["presets"]["auto4v2"]
-    # calibrated on 384 tokens, below the growth's shortest length: 512's KL stands for it
-    assert M.predict(p, s, 1024) == pytest.approx(s * kl["1024"] / kl["512"])
+    # calibrated on 384 tokens: the growth starts there
+    assert M.predict(p, s, 1024) == pytest.approx(s * kl["1024"] / kl["384"])
+    assert M.predict(p, s, 768) == pytest.approx(s * kl["768"] / kl["384"])
     assert M.predict(p, s, 384) == pytest.approx(s)
-    with pytest.raises(ValueError, match="--growth-tokens 400: use at least 514"):
-        C.measure_growth(llama, tokenizer(), p, "auto4v2", tokens=400)
+    with pytest.raises(
+        ValueError, match="--growth-tokens 384: use more than the calibration's 384"
+    ):
+        C.measure_growth(llama, tokenizer(), p, "auto4v2", tokens=384)
 
 
 def test_add_growth_refuses_before_loading(tmp_path):
@@ -255,3 +258,7 @@ def test_add_growth_refuses_before_loading(tmp_path):
         C.main(["--out", str(tmp_path / "p.json"), "--add-growth", "--growth-tokens", "0"])
     with pytest.raises(SystemExit, match="--growth-tokens -1"):
         C.main(["--out", str(tmp_path / "p.json"), "--growth-tokens", "-1"])
+    # the growth starts at the calibration's length: it must run past it, checked before
+    # the model loads (and before a fresh calibration's hour of work)
+    with pytest.raises(SystemExit, match="--growth-tokens 1024: use more than the calibration's"):
+        C.main(["--out", str(tmp_path / "p.json"), "--growth-tokens", "1024"])

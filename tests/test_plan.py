@@ -623,6 +623,10 @@ def test_cli_profile_with_growth_predicts_at_the_context(capsys):
         assert ("extrapolated beyond" in out["kl_source"]) == (context > 4096)
         mix = rows["calibrated mix"]  # the fewest bytes predicting max_kl at this context
         assert mix["kl"] <= max_kl and mix["kl"] >= out["mix"]["predicted_kl"]
+    for context in (4096, 16384):  # SmolLM2 takes 8,192 tokens: past them, KLs are flagged
+        plan.main(["--memory", "16GB", "--profile", str(path), "--context", str(context)])
+        text = capsys.readouterr().out
+        assert ("past the model's context" in text) == (context > 8192)
     plan.main(["--memory", "16GB", "--profile", str(path), "--json"])
     out = json.loads(capsys.readouterr().out)  # no context: the layers' sum, and how to scale it
     assert "give --context" in out["kl_source"]
