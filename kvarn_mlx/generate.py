@@ -170,14 +170,7 @@ def kv_profile(args):
             "widths"
         )
     try:
-        return profiles.flags(
-            args.kv_profile,
-            args.kv_bytes_like,
-            args.kv_max_kl,
-            DEFAULT_PRESET,
-            args.kv_tail_tokens,
-            args.kv_context,
-        )
+        return profiles.from_settings(args, DEFAULT_PRESET)
     except ValueError as e:
         raise UsageError(str(e)) from None
 

@@ -74,14 +74,7 @@ def main(argv=None):
 
         args = cli_args(argv)
         try:
-            profile = profiles.flags(
-                args.kv_profile,
-                args.kv_bytes_like,
-                args.kv_max_kl,
-                DEFAULT_PRESET,
-                args.kv_tail_tokens,
-                args.kv_context,
-            )
+            profile = profiles.from_settings(args, DEFAULT_PRESET)
         except ValueError as e:
             sys.exit(f"error: {e}")
         if profile[0] is None and tail_error(args.kv_preset, args.kv_tail_tokens):
