@@ -110,13 +110,15 @@ def test_concurrent_streams_equal_the_same_requests_one_at_a_time(model_dir):
     conversations = [[{"role": "user", "content": prompt(i, 40 + 45 * i)}] for i in range(8)]
     with server(model_dir, "--prompt-cache-size", "0") as (url, _):
         c = client(url)
-        alone = [stream_chat(c, m) for m in conversations]
+        # answers long enough that the requests overlap in the batch even when the
+        # machine is busy (the stats are sampled, not recorded)
+        alone = [stream_chat(c, m, max_tokens=48) for m in conversations]
         seen = []
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(stream_chat, c, m) for m in conversations]
+            futures = [pool.submit(stream_chat, c, m, 48) for m in conversations]
             while not all(f.done() for f in futures):
                 seen.append(get(url + "/v1/kv_stats")["live"])
-                time.sleep(0.05)
+                time.sleep(0.02)
             together = [f.result() for f in futures]
         stats = get(url + "/v1/kv_stats")
     assert all(finish == "length" for _, finish in alone)
