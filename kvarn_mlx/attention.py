@@ -78,7 +78,7 @@ def _attend_compiled(queries, view, scale):
         count = _counts[R] = mx.array(R, dtype=mx.int32)
         mx.eval(count)
     # The streams a trace ran on are replayed: a trace per thread's streams.
-    streams = tuple(map(str, dispatch.cpu_streams(view.n_tiles // MIN_STREAM_TILES)))
+    streams = tuple(map(str, dispatch.cpu_streams(stream_count(view.n_tiles, queries.shape[0]))))
     return _compiled(
         queries,
         view.sink_k,
@@ -152,7 +152,7 @@ def attend(queries, view: StepView, scale, mask=None, sinks=None, recent_len=Non
     if tiles is not None:
         q_rot = quant.rotated_where(view.rotate_k, q, quant.rotate)[None]
         tile_parts = []
-        for (lo, hi), stream in _tile_ranges(n):
+        for (lo, hi), stream in _tile_ranges(n, B):
             with mx.stream(stream):
                 m_t = None if mask_tiles is None else mask_tiles[lo:hi]
                 tile_parts.append(_tile_part(q_rot, tiles, lo, hi, view, m_t, (B, H, n_rep, L)))
@@ -226,14 +226,20 @@ def _merge(parts):
     return m, total, o
 
 
-# On the CPU, tiles split into ranges of at least MIN_STREAM_TILES tiles, one
-# per stream (dispatch.cpu_streams): MLX's CPU quantized_matmul uses one thread.
+# On the CPU, tiles split into ranges, one per stream (dispatch.cpu_streams), with
+# at least MIN_STREAM_TILES tiles of every batch row together in a range: MLX's CPU
+# quantized_matmul uses one thread.
 MIN_STREAM_TILES = 4
 
 
-def _tile_ranges(n):
-    """[((lo, hi), stream)] covering tiles [0, n): one range per stream."""
-    streams = dispatch.cpu_streams(n // MIN_STREAM_TILES)
+def stream_count(n, rows=1):
+    """The streams for n tiles of `rows` batch rows (each range at least one tile)."""
+    return min(n, n * rows // MIN_STREAM_TILES)
+
+
+def _tile_ranges(n, rows=1):
+    """[((lo, hi), stream)] covering tiles [0, n) of `rows` batch rows: one range per stream."""
+    streams = dispatch.cpu_streams(stream_count(n, rows))
     cuts = [n * i // len(streams) for i in range(len(streams) + 1)]
     return [((cuts[i], cuts[i + 1]), s) for i, s in enumerate(streams)]
 

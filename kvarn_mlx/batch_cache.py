@@ -646,7 +646,8 @@ _compiled = dispatch.Compiled(_attend_arrays)
 
 
 def _attend_compiled(queries, view, scale, mask):
-    streams = tuple(map(str, dispatch.cpu_streams(view.n_tiles // attention.MIN_STREAM_TILES)))
+    count = attention.stream_count(view.n_tiles, queries.shape[0])
+    streams = tuple(map(str, dispatch.cpu_streams(count)))
     return _compiled(
         queries,
         view.sink_k,

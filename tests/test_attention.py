@@ -477,6 +477,16 @@ def _many_tiles(rng, L, preset="k2v2_g64"):
     return _cache_with_step(rng, D=64, H=2, gqa=3, L=L, preset=preset, T=128 + 13 * 64 + 20)
 
 
+def test_stream_count_counts_the_tiles_of_every_batch_row(monkeypatch):
+    from kvarn_mlx import attention
+
+    monkeypatch.setattr(attention, "MIN_STREAM_TILES", 4)
+    assert [attention.stream_count(n) for n in (0, 3, 4, 7, 8, 13)] == [0, 0, 1, 1, 2, 3]
+    # a batch's rows share the tile ranges: 3 tiles of 4 rows are 12 tile-rows of work
+    assert attention.stream_count(3, rows=4) == 3 and attention.stream_count(7, rows=8) == 7
+    assert attention.stream_count(1, rows=8) == 1  # never an empty range
+
+
 @pytest.mark.parametrize("kind", ["decode", "causal", "bool_per_head", "additive", "sinks"])
 def test_tile_ranges_on_cpu_streams_match_one_range_and_the_reference(kind, monkeypatch):
     from kvarn_mlx import attention
@@ -496,7 +506,9 @@ def test_tile_ranges_on_cpu_streams_match_one_range_and_the_reference(kind, monk
         sinks = mx.array(rng.normal(1.0, 1.0, (q.shape[1],)).astype(np.float32))
     ranges = []
     real = attention._tile_ranges
-    monkeypatch.setattr(attention, "_tile_ranges", lambda n: ranges.append(real(n)) or ranges[-1])
+    monkeypatch.setattr(
+        attention, "_tile_ranges", lambda n, rows=1: ranges.append(real(n, rows)) or ranges[-1]
+    )
 
     with mx.stream(mx.cpu):
         monkeypatch.setattr(attention.dispatch, "CPU_STREAMS", 2)
