@@ -476,6 +476,14 @@ def growth_presets(settings, base):
     return list(dict.fromkeys([base, narrow]))
 
 
+def check_growth_tokens(tokens, n):
+    """Refuse a growth run that does not go past the calibration's n tokens, where it starts."""
+    if tokens <= n:
+        raise ValueError(
+            f"--growth-tokens {tokens}: use more than the calibration's {n:,} tokens, e.g. {4 * n}"
+        )
+
+
 def measure_growth(model, tokenizer, p, base, tokens=GROWTH_TOKENS, chunk=CHUNK):
     """How the mean KL of whole caches grows with the context on profile p's
     calibration text: each growth preset's mean KL over positions 128..L-2 (as
@@ -487,10 +495,7 @@ def measure_growth(model, tokenizer, p, base, tokens=GROWTH_TOKENS, chunk=CHUNK)
     base_config = profiles.settings_config(p["settings"], 2, 2)
     G, S = base_config.group_size, base_config.sink_size
     n = p["text"]["tokens"]  # where mix.predict's scaling starts
-    if tokens <= n:
-        raise ValueError(
-            f"--growth-tokens {tokens}: use more than the calibration's {n:,} tokens, e.g. {4 * n}"
-        )
+    check_growth_tokens(tokens, n)
     lengths = [n << i for i in range(tokens.bit_length()) if n << i < tokens] + [tokens]
     contexts = sorted({c for c in lengths if c > S + G})
     text = p["text"]
@@ -649,11 +654,9 @@ def main(argv=None):
             if not args.growth_tokens:
                 raise ValueError("--add-growth measures --growth-tokens tokens: give more than 0")
             p = profiles.read(args.out)
-        n = p["text"]["tokens"] if args.add_growth else args.tokens
-        if args.growth_tokens and args.growth_tokens <= n:  # growth starts at the calibration's
-            raise ValueError(
-                f"--growth-tokens {args.growth_tokens}: use more than the calibration's {n:,} "
-                f"tokens, e.g. {4 * n}"
+        if args.growth_tokens:
+            check_growth_tokens(
+                args.growth_tokens, p["text"]["tokens"] if args.add_growth else args.tokens
             )
         read_checkpoint(args.checkpoint, None)  # a file that is not one is refused now
     except ValueError as e:
