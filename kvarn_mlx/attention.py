@@ -77,8 +77,6 @@ def _attend_compiled(queries, view, scale):
     if count is None:
         count = _counts[R] = mx.array(R, dtype=mx.int32)
         mx.eval(count)
-    # The streams a trace ran on are replayed: a trace per thread's streams.
-    streams = tuple(map(str, dispatch.cpu_streams(stream_count(view.n_tiles, queries.shape[0]))))
     return _compiled(
         queries,
         view.sink_k,
@@ -91,7 +89,7 @@ def _attend_compiled(queries, view, scale):
         (view.k_bits, view.v_bits),
         view.rotate_v,
         float(scale),
-        streams,
+        trace_streams(view.n_tiles, queries.shape[0]),
     )
 
 
@@ -235,6 +233,13 @@ MIN_STREAM_TILES = 4
 def stream_count(n, rows=1):
     """The streams for n tiles of `rows` batch rows (each range at least one tile)."""
     return min(n, n * rows // MIN_STREAM_TILES)
+
+
+def trace_streams(n, rows):
+    """The names of the streams attend() splits n tiles of `rows` batch rows over: a
+    compiled attention takes them as an input, since a trace replays the streams it
+    ran on (a trace per thread's streams)."""
+    return tuple(map(str, dispatch.cpu_streams(stream_count(n, rows))))
 
 
 def _tile_ranges(n, rows=1):

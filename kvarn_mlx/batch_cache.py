@@ -646,8 +646,6 @@ _compiled = dispatch.Compiled(_attend_arrays)
 
 
 def _attend_compiled(queries, view, scale, mask):
-    count = attention.stream_count(view.n_tiles, queries.shape[0])
-    streams = tuple(map(str, dispatch.cpu_streams(count)))
     return _compiled(
         queries,
         view.sink_k,
@@ -661,7 +659,7 @@ def _attend_compiled(queries, view, scale, mask):
         (view.k_bits, view.v_bits),
         view.rotate_v,
         float(scale),
-        streams,
+        attention.trace_streams(view.n_tiles, queries.shape[0]),
     )
 
 
