@@ -44,14 +44,43 @@ def test_paired_difference():
     got = [True] * 12 + [False] + [True] * 5 + [False] * 2
     d = paired.paired_difference(ref, got)
     assert (d["n"], d["lost"], d["gained"], d["difference"]) == (20, 1, 5, pytest.approx(0.2))
-    lo, hi = paired.clopper_pearson(5, 6)
-    assert d["interval"] == pytest.approx((6 / 20 * (2 * lo - 1), 6 / 20 * (2 * hi - 1)))
+    # q = disagreement rate (6 of 20), p = share of disagreements gained (5 of 6)
+    q_lo, q_hi = paired.clopper_pearson(6, 20, 0.025)
+    p_lo, p_hi = paired.clopper_pearson(5, 6, 0.025)
+    assert d["interval"] == pytest.approx((q_hi * (2 * p_lo - 1), q_hi * (2 * p_hi - 1)))
     assert d["interval"][0] < 0 < d["interval"][1]  # 5 against 1 is not significant
     assert d["p_value"] == pytest.approx(2 * 7 / 64)
+    # No disagreement still leaves doubt: q's upper bound 1 - 0.0125^(1/20) either way.
     same = paired.paired_difference(ref, ref)
-    assert same["difference"] == 0 and same["interval"] == (0.0, 0.0) and same["p_value"] == 1.0
+    bound = 1 - 0.0125 ** (1 / 20)
+    assert same["difference"] == 0 and same["p_value"] == 1.0
+    assert same["interval"] == pytest.approx((-bound, bound))
     with pytest.raises(ValueError, match="different lengths"):
         paired.paired_difference([True], [True, False])
+
+
+def _coverage(n, q, p):
+    """P(the interval holds the true difference q (2p - 1)), summed exactly over the
+    disagreements m ~ binomial(n, q) and the gained c ~ binomial(m, p)."""
+    from math import comb
+
+    true, total = q * (2 * p - 1), 0.0
+    for m in range(n + 1):
+        for c in range(m + 1):
+            ref = [True] * (n - c) + [False] * c
+            got = [True] * (n - m) + [False] * (m - c) + [True] * c
+            lo, hi = paired.paired_difference(ref, got)["interval"]
+            if lo - 1e-12 <= true <= hi + 1e-12:
+                total += comb(n, m) * q**m * (1 - q) ** (n - m) * comb(m, c) * p**c * (1 - p) ** (m - c)
+    return total
+
+
+@pytest.mark.parametrize("q", [0.02, 0.1, 0.3, 0.7])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.8])
+def test_paired_interval_covers_the_difference(q, p):
+    # Unconditional coverage, exactly: an interval conditional on the disagreements
+    # alone covers 0.22 of the time at q = 0.02, p = 0.1 on 12 problems.
+    assert _coverage(12, q, p) >= 0.95
 
 
 # -- the sandbox -----------------------------------------------------------------------------------

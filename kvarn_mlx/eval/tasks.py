@@ -26,8 +26,8 @@ Settings (--prefix, tokens of context before the problem):
 
 Reported per setting: pass@1 per cache with its Wilson interval, and against
 the plain cache the paired difference with an exact 95% interval (paired.py:
-Clopper-Pearson on the discordant problems, McNemar's exact test) and the
-problems that flip either way.
+Clopper-Pearson on how often the two disagree and on which way, McNemar's exact
+test) and the problems that flip either way.
 """
 
 import copy
@@ -492,8 +492,8 @@ def markdown(res, meta_md):
         "answer's function run against the problem's tests in a sandbox "
         f"(timeout {res['timeout']:g} s). Pass@1 interval: 95% Wilson. Difference: pass@1 minus "
         "the plain cache's (fp) on the same problems, with the "
-        "exact 95% interval conditional on the problems where the two disagree "
-        "(Clopper-Pearson) and McNemar's exact p-value; 'lost' = problems fp passes and the "
+        "exact (conservative) 95% interval from Clopper-Pearson intervals of how often the two "
+        "disagree and of which way they disagree, 97.5% each, and McNemar's exact p-value; 'lost' = problems fp passes and the "
         "cache fails, 'gained' = the reverse. Quantized: tokens a cache held quantized when its "
         "answer ended (mean over problems).\n",
     ]
