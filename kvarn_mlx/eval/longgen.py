@@ -16,9 +16,8 @@ tokens for other caches): a query then reads exactly what it reads in one-token
 decoding (tiles completed before its step quantized, the tokens after them in
 full precision; mlx-lm's QuantizedKVCache quantizes every token anyway), up to
 float rounding, at a fraction of the cost. The "auto" presets read one token per
-step until the query after their first tile has chosen each head's key rotation
-from that tile's contents (float rounding between step shapes can flip a near
-tie there), then in the same steps as the others.
+step: they choose each head's key rotation from the first tiles' contents, and
+float rounding between step shapes can flip a near tie there.
 """
 
 import mlx.core as mx
@@ -215,21 +214,21 @@ def _one_prompt(
 def step_ends(caches, start, n, size=128):
     """Where the teacher-forced steps over cache positions [start, start + n) end: for a
     KVarN cache where a tile completes (sink + k tiles), so no query of a step comes after
-    a tile the step completed; for other caches every `size` tokens. An "auto" preset reads
-    one token per step until the query after its first tile has chosen each head's key
-    rotation (float rounding between step shapes can flip a near tie there), and from
-    then on steps end where tiles complete too."""
-    kvs = [c for c in caches if isinstance(c, KVarNCache)]
-    if not kvs:
-        ends = set(range(start + size, start + n, size))
+    a tile the step completed, or every token for an "auto" preset; for other caches every
+    `size` tokens."""
+    kv = next((c for c in caches if isinstance(c, KVarNCache)), None)
+    if (
+        kv is not None and kv.config.rotate_keys == "auto"
+    ):  # a near tie may flip with the step's shape
+        return list(range(start + 1, start + n + 1))
+    if kv is None:
+        ends = range(start + size, start + n, size)
     else:
-        cfg = kvs[0].config
-        S, G, T = cfg.sink_size, cfg.group_size, cfg.tail_tokens
-        ends = {S + k * G for k in range(1, (start + n - S) // G + 1) if S + k * G > start}
-        if any(c.config.rotate_keys == "auto" for c in kvs):
-            decided = S + G + T + 1  # the step of the query after the first tile ends here
-            ends |= set(range(start + 1, min(decided, start + n) + 1))
-    return sorted(ends | {start + n}) if n else []
+        S, G = kv.config.sink_size, kv.config.group_size
+        ends = [
+            S + k * G for k in range(1, (start + n - S) // G + 1) if start < S + k * G < start + n
+        ]
+    return [*ends, start + n] if n else []
 
 
 def forced_steps(model, ids, caches, ends, traj, ref_lp, chunk, label):
