@@ -71,7 +71,8 @@ def _coverage(n, q, p):
             got = [True] * (n - m) + [False] * (m - c) + [True] * c
             lo, hi = paired.paired_difference(ref, got)["interval"]
             if lo - 1e-12 <= true <= hi + 1e-12:
-                total += comb(n, m) * q**m * (1 - q) ** (n - m) * comb(m, c) * p**c * (1 - p) ** (m - c)
+                p_m = comb(n, m) * q**m * (1 - q) ** (n - m)
+                total += p_m * comb(m, c) * p**c * (1 - p) ** (m - c)
     return total
 
 

@@ -493,9 +493,9 @@ def markdown(res, meta_md):
         f"(timeout {res['timeout']:g} s). Pass@1 interval: 95% Wilson. Difference: pass@1 minus "
         "the plain cache's (fp) on the same problems, with the "
         "exact (conservative) 95% interval from Clopper-Pearson intervals of how often the two "
-        "disagree and of which way they disagree, 97.5% each, and McNemar's exact p-value; 'lost' = problems fp passes and the "
-        "cache fails, 'gained' = the reverse. Quantized: tokens a cache held quantized when its "
-        "answer ended (mean over problems).\n",
+        "disagree and of which way they disagree, 97.5% each, and McNemar's exact p-value; "
+        "'lost' = problems fp passes and the cache fails, 'gained' = the reverse. Quantized: "
+        "tokens a cache held quantized when its answer ended (mean over problems).\n",
     ]
     for prefix, rows in res["summary"].items():
         out += [
