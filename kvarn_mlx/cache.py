@@ -341,11 +341,12 @@ class KVarNCache(BaseCache):
     def _append(self, k_tiles, v_tiles):
         """Quantize tiles [B, H, m, G, D] into storage after the valid ones."""
         c = self.config
-        # the first tiles: keep both key variants
+        # the first tiles: keep both key variants (with any still undecided before them)
         if c.rotate_keys == "auto" and self.rotate_k is True:
-            self.key_candidates = rotation.candidates(k_tiles, c, self.n_tiles)
+            cand = rotation.candidates(k_tiles, c, self.n_tiles)
+            self.key_candidates = rotation.joined(self.key_candidates, cand)
             v = dispatch.quantize_values(v_tiles, c.v_bits, c.iters, self.rotate_v, c.scale_dtype)
-            new = Tiles(*self.key_candidates.rotated, *v)
+            new = Tiles(*cand.rotated, *v)
         else:
             new = self.quantize(k_tiles, v_tiles)
         self.tiles = append(self.tiles, new, self.step_tiles)

@@ -45,6 +45,26 @@ def candidates(k_tiles, config, start) -> KeyCandidates:
     return KeyCandidates(k_tiles, rot, plain, start)
 
 
+def joined(first: KeyCandidates | None, then: KeyCandidates) -> KeyCandidates:
+    """Candidates of consecutive tiles as one: a long step that commits a layer's
+    waiting first tile and quantizes more before any query chose makes both, and
+    the one choice must write every tile quantized both ways."""
+    if first is None:
+        return then
+    if first.start + first.keys.shape[2] != then.start:
+        raise ValueError("key candidates must be of consecutive tiles")
+
+    def cat(x, y):
+        return mx.concatenate([x, y], axis=2)
+
+    return KeyCandidates(
+        cat(first.keys, then.keys),
+        tuple(map(cat, first.rotated, then.rotated)),
+        tuple(map(cat, first.plain, then.plain)),
+        first.start,
+    )
+
+
 def decide(cand: KeyCandidates, k_bits, queries=None):
     """Per kv head, whether to keep rotation: the key variant whose attention over
     the candidate tiles, softmax(q k_hat), is closer (L1) to softmax(q k).

@@ -72,9 +72,9 @@ CONFIGS = {
 }
 
 
-def tiny_model(name, seed=0):
-    """A float32 mlx-lm model with random weights for CONFIGS[name]."""
-    cfg = CONFIGS[name]
+def tiny_model(name, seed=0, **overrides):
+    """A float32 mlx-lm model with random weights for CONFIGS[name] (with overrides)."""
+    cfg = {**CONFIGS[name], **overrides}
     module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(cfg))
