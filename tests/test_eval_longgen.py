@@ -100,9 +100,11 @@ def test_prompt_count_checked(tiny, tmp_path):
         main(["--out", str(tmp_path), "longgen", "--prompts", "99"], model=model, tokenizer=tok)
 
 
-# k2v2_g128 (steps of many tokens over tiles) by default. With -m slow: auto4v2, whose
-# steps are one token (test_step_ends holds that), and mlxq4, an mlx-lm cache (its
-# step ends: test_step_ends; its longgen run: test_cli_end_to_end_and_resume).
+# On a model with more layers than waiting_tiles.PER_STEP, whose decoding quantizes a
+# completed tile over a few steps. k2v2_g128 (steps of many tokens over tiles) by
+# default. With -m slow: auto4v2 (one-token steps until every layer chose its key
+# rotation), and mlxq4, an mlx-lm cache (its step ends: test_step_ends; its longgen
+# run: test_cli_end_to_end_and_resume).
 @pytest.mark.parametrize(
     "method",
     [
@@ -111,40 +113,45 @@ def test_prompt_count_checked(tiny, tmp_path):
         pytest.param("mlxq4", marks=pytest.mark.slow),
     ],
 )
-def test_steps_ending_at_tiles_read_what_one_token_decoding_reads(tiny, method):
+def test_steps_ending_at_tiles_read_what_one_token_decoding_reads(tmp_path, method):
     from mlx_lm.models import cache as mlx_cache
 
+    from kvarn_mlx import waiting_tiles
     from kvarn_mlx.eval.decode import _forced, _greedy
     from kvarn_mlx.eval.methods import make_caches
     from kvarn_mlx.eval.runner import for_model
+    from kvarn_mlx.loader import load
 
-    model, tok = tiny
+    layers = waiting_tiles.PER_STEP + 2
+    model, tok = load(str(tiny_model_folder(tmp_path / "m", num_hidden_layers=layers)))
     ids = longgen.prompt_ids(tok, longgen.QUESTIONS[0])
     traj, ref_lp = _greedy(model, ids, mlx_cache.make_prompt_cache(model), 420, 2048, "fp")
-    one = _forced(
-        model, ids, for_model(make_caches(model, method), "dequant"), traj, ref_lp, 2048, "one"
-    )
+    one_caches = make_caches(model, method)
+    one = _forced(model, ids, for_model(one_caches, "dequant"), traj, ref_lp, 2048, "one")
     caches = make_caches(model, method)
     ends = longgen.step_ends(caches, len(ids), len(traj) - 1)
     many = longgen.forced_steps(
         model, ids, for_model(caches, "dequant"), ends, traj, ref_lp, 2048, "many"
     )
     assert len(many[0]) == len(one[0]) == 420
-    if method.startswith("auto"):  # one token per step: the same computation
-        assert ends == list(range(len(ids) + 1, len(ids) + 420))
-        assert many == one
-    else:
-        assert max(b - a for a, b in zip([len(ids), *ends], ends)) > 100  # steps of many tokens
-        np.testing.assert_allclose(many[0], one[0], rtol=1e-3, atol=1e-5)  # float rounding
-        assert many[1:] == one[1:]
+    assert max(b - a for a, b in zip([len(ids), *ends], ends)) > 100  # steps of many tokens
+    if method.startswith("auto"):  # each head's choice is one-token decoding's
+        assert all(isinstance(c.rotate_k, mx.array) for c in caches)
+        for a, b in zip(caches, one_caches):
+            assert np.array_equal(np.array(a.rotate_k), np.array(b.rotate_k))
+    np.testing.assert_allclose(many[0], one[0], rtol=1e-3, atol=1e-5)  # float rounding
+    assert many[1:] == one[1:]
     assert np.mean(one[0][300:]) > 1e-6  # quantized tiles were read: a real comparison
 
 
 def test_step_ends():
     from kvarn_mlx.cache import KVarNCache
 
-    assert longgen.step_ends([KVarNCache("k4v2_g128")], 100, 500) == [256, 384, 512, 600]
-    assert longgen.step_ends([KVarNCache("k4v2_g128")], 256, 128) == [384]
+    # the token before a tile ends: the tile completes in a decoding step
+    assert longgen.step_ends([KVarNCache("k4v2_g128")], 100, 500) == [
+        *(255, 256, 383, 384, 511, 512, 600)
+    ]
+    assert longgen.step_ends([KVarNCache("k4v2_g128")], 256, 128) == [383, 384]
     assert longgen.step_ends([object()], 100, 300) == [228, 356, 400]
     assert longgen.step_ends([object()], 100, 0) == []
-    assert longgen.step_ends([KVarNCache("auto4v2")], 100, 4) == [101, 102, 103, 104]
+    assert longgen.step_ends([KVarNCache("auto4v2")], 255, 2) == [256, 257]

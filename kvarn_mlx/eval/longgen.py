@@ -15,9 +15,13 @@ in steps of many tokens, each ending where a KVarN tile completes (every 128
 tokens for other caches): a query then reads exactly what it reads in one-token
 decoding (tiles completed before its step quantized, the tokens after them in
 full precision; mlx-lm's QuantizedKVCache quantizes every token anyway), up to
-float rounding, at a fraction of the cost. The "auto" presets read one token per
-step: they choose each head's key rotation from the first tiles' contents, and
-float rounding between step shapes can flip a near tie there.
+float rounding, at a fraction of the cost. Two kinds of query come one per step,
+as in decoding: those after a tile completes until every layer has quantized it
+(decoding spreads that over a few steps, kvarn_mlx/waiting_tiles.py, and the
+layers whose turn has not come read the tile in full precision), and for the
+"auto" presets those until every layer has chosen its key rotation (from its
+first tile and the query after it: float rounding between step shapes can flip
+a near tie there).
 """
 
 import mlx.core as mx
@@ -28,6 +32,7 @@ from ..cache import KVarNCache
 from .decode import _greedy, _prefill_last
 from .methods import make_caches, method_bits
 from .runner import (
+    Dequantized,
     Progress,
     append_checkpoint,
     for_model,
@@ -214,27 +219,40 @@ def _one_prompt(
 def step_ends(caches, start, n, size=128):
     """Where the teacher-forced steps over cache positions [start, start + n) end: for a
     KVarN cache where a tile completes (sink + k tiles), so no query of a step comes after
-    a tile the step completed, or every token for an "auto" preset; for other caches every
-    `size` tokens."""
+    a tile the step completed, and the token before, so that the tile completes in a
+    decoding step; for other caches every `size` tokens. forced_steps cuts them into
+    one-token steps where decoding_alone says so."""
     kv = next((c for c in caches if isinstance(c, KVarNCache)), None)
-    if (
-        kv is not None and kv.config.rotate_keys == "auto"
-    ):  # a near tie may flip with the step's shape
-        return list(range(start + 1, start + n + 1))
     if kv is None:
         ends = range(start + size, start + n, size)
     else:
         S, G = kv.config.sink_size, kv.config.group_size
-        ends = [
-            S + k * G for k in range(1, (start + n - S) // G + 1) if start < S + k * G < start + n
-        ]
+        tiles = (S + k * G for k in range(1, (start + n - S) // G + 1))
+        ends = [e for t in tiles for e in (t - 1, t) if start < e < start + n]
     return [*ends, start + n] if n else []
 
 
+def decoding_alone(caches):
+    """Whether the next query needs a step of its own to read what it reads in one-token
+    decoding: a KVarN cache holds a completed tile that decoding quantizes at one of the
+    next steps (a few layers a step), or an "auto" cache has yet to choose its key
+    rotation (rotate_k becomes an array of per-head choices; False: a head dim without
+    rotation, nothing to choose)."""
+    for c in caches:
+        c = c.cache if isinstance(c, Dequantized) else c
+        if isinstance(c, KVarNCache) and (
+            c.leaving_tiles()
+            or (c.config.rotate_keys == "auto" and (c.rotate_k is None or c.rotate_k is True))
+        ):
+            return True
+    return False
+
+
 def forced_steps(model, ids, caches, ends, traj, ref_lp, chunk, label):
-    """Teacher-forced on traj in steps ending at cache positions `ends`: per step of the
-    trajectory, the KL to ref_lp and whether the greedy token is the trajectory's;
-    returns (KLs, first step that differs or None, agreements)."""
+    """Teacher-forced on traj in steps ending at cache positions `ends`, one token per step
+    where decoding_alone says so: per step of the trajectory, the KL to ref_lp
+    and whether the greedy token is the trajectory's; returns (KLs, first step that
+    differs or None, agreements)."""
     P = len(ids)
     y = _prefill_last(model, ids, caches, chunk, label)
     kls, agree = [], []
@@ -249,12 +267,14 @@ def forced_steps(model, ids, caches, ends, traj, ref_lp, chunk, label):
         agree.extend(np.array(same).tolist())
 
     score(0, y[None])
-    bar = Progress(len(ends), f"{label} forced")
     a = P
+    bar = Progress(ends[-1] - a if ends else 0, f"{label} forced")
     for e in ends:
-        score(a - P + 1, model(mx.array(traj[a - P : e - P])[None], cache=caches)[0])
-        a = e
-        bar.step()
+        while a < e:
+            b = a + 1 if decoding_alone(caches) else e
+            score(a - P + 1, model(mx.array(traj[a - P : b - P])[None], cache=caches)[0])
+            bar.step(b - a)
+            a = b
     first_div = next((i for i, ok in enumerate(agree) if not ok), None)
     return kls, first_div, agree
 
