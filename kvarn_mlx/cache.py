@@ -116,6 +116,15 @@ class KVarNCache(BaseCache):
     def n_tiles(self):
         return 0 if self.tiles is None else self.tiles.count
 
+    @property
+    def choosing_key_rotation(self):
+        """An "auto" cache whose key rotation is still to be chosen: rotate_k is True (None
+        before the first update) until the choice makes it a bool per kv head; False: a
+        head dim without rotation, nothing to choose."""
+        return self.config.rotate_keys == "auto" and (
+            self.rotate_k is None or self.rotate_k is True
+        )
+
     # -- writing -------------------------------------------------------------
 
     def update_and_fetch(self, keys, values):
@@ -315,7 +324,7 @@ class KVarNCache(BaseCache):
         c = self.config
         if type(self).quantize is not KVarNCache.quantize or self.key_candidates is not None:
             return None
-        if c.rotate_keys == "auto" and self.rotate_k is True:
+        if self.choosing_key_rotation:
             return None
         B, _, _, D = self.tail_k.shape
         return (
@@ -342,7 +351,7 @@ class KVarNCache(BaseCache):
         """Quantize tiles [B, H, m, G, D] into storage after the valid ones."""
         c = self.config
         # the first tiles: keep both key variants (with any still undecided before them)
-        if c.rotate_keys == "auto" and self.rotate_k is True:
+        if self.choosing_key_rotation:
             cand = rotation.candidates(k_tiles, c, self.n_tiles)
             self.key_candidates = rotation.joined(self.key_candidates, cand)
             v = dispatch.quantize_values(v_tiles, c.v_bits, c.iters, self.rotate_v, c.scale_dtype)

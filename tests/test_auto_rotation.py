@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-from kvarn_mlx import KVarNCache, get_preset, make_cache, patch, rotation, unpatch
+from kvarn_mlx import KVarNCache, get_preset, make_cache, patch, rotation, unpatch, waiting_tiles
 from models import tiny_model, tokens
 
 BASE = get_preset("k2v2_g128", group_size=64, sink=64)
@@ -72,9 +72,16 @@ def mean_kl(model, toks, config, skip=64):
     ref = logits(model, toks, make_prompt_cache(model))
     cache = make_cache(model, config)
     out = logits(model, toks, cache)
-    lp = ref - mx.logsumexp(ref, -1, keepdims=True)
-    lq = out - mx.logsumexp(out, -1, keepdims=True)
-    return float((mx.exp(lp) * (lp - lq)).sum(-1)[skip:].mean()), cache
+    return float(kl_per_position(log_softmax(ref), log_softmax(out))[skip:].mean()), cache
+
+
+def log_softmax(x):
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def kl_per_position(lp, lq):
+    """KL(p || q) per row of log-probabilities lp, lq [positions, vocabulary]."""
+    return (mx.exp(lp) * (lp - lq)).sum(axis=-1)
 
 
 def rotated_heads(cache):
@@ -158,21 +165,20 @@ def test_a_long_step_after_a_decoded_first_tile(layers):
     # query chose the key rotation: the one choice must cover both.
     model, toks = outlier_model("qwen2_bias", layers), tokens(300)
     S, G = BASE.sink_size, BASE.group_size
-    n = S + G + (layers > 6)  # tokens decoded one at a time (a waiting layer: one more)
+    # tokens decoded one at a time (layers waiting a turn: one more)
+    n = S + G + (layers > waiting_tiles.PER_STEP)
 
     def long_step(config):
         cache = make_prompt_cache(model) if config is None else make_cache(model, config)
         model(mx.array(toks[:S])[None], cache=cache)
         for i in range(S, n):
             mx.eval(model(mx.array(toks[i : i + 1])[None], cache=cache))
-        out = model(mx.array(toks[n : n + G + 16])[None], cache=cache)[0]
-        return out - mx.logsumexp(out, axis=-1, keepdims=True), cache
+        return log_softmax(model(mx.array(toks[n : n + G + 16])[None], cache=cache)[0])
 
-    ref, _ = long_step(None)
-    kl = {}
-    for name in VARIANTS:
-        lp, cache = long_step(VARIANTS[name])
-        kl[name] = (mx.exp(ref) * (ref - lp)).sum(axis=-1).mean().item()
+    ref = long_step(None)
+    kl = {
+        name: kl_per_position(ref, long_step(cfg)).mean().item() for name, cfg in VARIANTS.items()
+    }
     assert kl["auto"] <= 1.10 * min(kl["kvarn"], kl["plain_keys"]), kl
     assert kl["plain_keys"] < kl["kvarn"]  # the layers that chose plain keys matter
 
@@ -198,11 +204,9 @@ def test_a_long_step_right_after_the_first_tile_attends_as_decoding(smollm):
         model(mx.array(ids[:100])[None], cache=cache)
         for i in range(100, 257):
             mx.eval(model(mx.array(ids[i : i + 1])[None], cache=cache))
-        out = model(mx.array(ids[257:387])[None], cache=cache)[0].astype(mx.float32)
-        return out - mx.logsumexp(out, axis=-1, keepdims=True)
+        return log_softmax(model(mx.array(ids[257:387])[None], cache=cache)[0].astype(mx.float32))
 
     ref = last_step(make_prompt_cache(model))
     for preset in ("k4v2_g128", "auto4v2"):
-        lp = last_step(make_cache(model, preset))
-        kl = (mx.exp(ref) * (ref - lp)).sum(axis=-1).mean().item()
+        kl = kl_per_position(ref, last_step(make_cache(model, preset))).mean().item()
         assert kl < 0.05, (preset, kl)  # k4v2_g128: 0.011 on this text

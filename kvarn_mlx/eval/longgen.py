@@ -236,14 +236,10 @@ def decoding_alone(caches):
     """Whether the next query needs a step of its own to read what it reads in one-token
     decoding: a KVarN cache holds a completed tile that decoding quantizes at one of the
     next steps (a few layers a step), or an "auto" cache has yet to choose its key
-    rotation (rotate_k becomes an array of per-head choices; False: a head dim without
-    rotation, nothing to choose)."""
+    rotation."""
     for c in caches:
         c = c.cache if isinstance(c, Dequantized) else c
-        if isinstance(c, KVarNCache) and (
-            c.leaving_tiles()
-            or (c.config.rotate_keys == "auto" and (c.rotate_k is None or c.rotate_k is True))
-        ):
+        if isinstance(c, KVarNCache) and (c.leaving_tiles() or c.choosing_key_rotation):
             return True
     return False
 
