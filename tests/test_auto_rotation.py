@@ -9,6 +9,7 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from kvarn_mlx import KVarNCache, get_preset, make_cache, patch, rotation, unpatch, waiting_tiles
+from kvarn_mlx.eval.runner import log_softmax
 from models import tiny_model, tokens
 
 BASE = get_preset("k2v2_g128", group_size=64, sink=64)
@@ -73,10 +74,6 @@ def mean_kl(model, toks, config, skip=64):
     cache = make_cache(model, config)
     out = logits(model, toks, cache)
     return float(kl_per_position(log_softmax(ref), log_softmax(out))[skip:].mean()), cache
-
-
-def log_softmax(x):
-    return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
 def kl_per_position(lp, lq):
@@ -204,7 +201,7 @@ def test_a_long_step_right_after_the_first_tile_attends_as_decoding(smollm):
         model(mx.array(ids[:100])[None], cache=cache)
         for i in range(100, 257):
             mx.eval(model(mx.array(ids[i : i + 1])[None], cache=cache))
-        return log_softmax(model(mx.array(ids[257:387])[None], cache=cache)[0].astype(mx.float32))
+        return log_softmax(model(mx.array(ids[257:387])[None], cache=cache)[0])
 
     ref = last_step(make_prompt_cache(model))
     for preset in ("k4v2_g128", "auto4v2"):
