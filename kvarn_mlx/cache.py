@@ -130,10 +130,12 @@ class KVarNCache(BaseCache):
     def update_and_fetch(self, keys, values):
         step = self.update(keys, values)
         keys, values = self.dequantized(step)
-        # The step's full-precision tokens serve this step only: the view lives
-        # exactly as long as the returned arrays (which hold those tokens anyway).
-        weakref.finalize(keys, _keep_alive, step)
-        self._fetched = (weakref.ref(keys), weakref.ref(values))
+        # The step's full-precision tokens serve this step only: the view lives as
+        # long as the returned arrays (which hold those tokens anyway) and this step
+        # is the cache's last. The weak reference's callback holds it: the callback
+        # goes when the keys do, or with the reference at the next update (cheaper
+        # than weakref.finalize, which registers every step globally).
+        self._fetched = (weakref.ref(keys, lambda _, step=step: None), weakref.ref(values))
         return keys, values
 
     def update(self, keys, values) -> StepView:
@@ -626,10 +628,6 @@ class KVarNCache(BaseCache):
                 "corrupt KVarNCache state: token counts and array shapes disagree; "
                 "delete the file and build the cache again"
             )
-
-
-def _keep_alive(*_):
-    """Finalizer callback: its arguments live exactly as long as the finalized object."""
 
 
 def _scalar(x):

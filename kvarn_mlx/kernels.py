@@ -306,46 +306,53 @@ def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None)
         call = _Call(q, view, kv_dtype, bool(causal), own_lens, row_lens)
         if memo is not None:
             memo.calls[key] = call
-    if own_lens:
-        row_lens = _lengths(call.plan.head[0], S, Tn)
     plan = call.plan
-    k1 = _kernel(
-        "kvarn_attention_split",
-        _SPLIT_INPUTS,
-        ["o_part", "m_part", "l_part"],
-        "attention_split.metal",
-    )
-    o_part, m_part, l_part = k1(
-        inputs=[
-            q,
-            call.rot_k,
-            *call.fixed,
-            *call.recent(view),
-            call.params,
-            row_lens,
-            _scalar(scale),
-        ],
+    if own_lens:
+        row_lens = _lengths(plan.head[0], S, Tn)
+    split, combine = _attention_kernels()
+    tail_k, tail_v = call.recent(view)
+    o_part, m_part, l_part = split(
+        inputs=[q, call.rot_k, *call.fixed, tail_k, tail_v, call.params, row_lens, _scalar(scale)],
         template=plan.split_template,
         grid=plan.split_grid,
         threadgroup=(_ATT_THREADS, 1, 1),
         output_shapes=plan.split_shapes,
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
+        output_dtypes=_PARTS_DTYPES,
     )
-    k2 = _kernel(
-        "kvarn_attention_combine",
-        ["o_part", "m_part", "l_part", "params"],
-        ["out"],
-        "attention_combine.metal",
-    )
-    (out,) = k2(
+    (out,) = combine(
         inputs=[o_part, m_part, l_part, call.params],
         template=plan.combine_template,
         grid=plan.combine_grid,
         threadgroup=plan.combine_threadgroup,
         output_shapes=plan.combine_shapes,  # rows bh*R + r are q's rows
-        output_dtypes=[q.dtype],
+        output_dtypes=plan.combine_dtypes,
     )
     return out
+
+
+_PARTS_DTYPES = [mx.float32, mx.float32, mx.float32]
+_attention_pair = (None, None, None)  # (factory, split kernel, combine kernel)
+
+
+def _attention_kernels():
+    """The two attention kernels of the current factory (a decode step asks every layer)."""
+    global _attention_pair
+    factory = mx.fast.metal_kernel
+    if _attention_pair[0] is not factory:
+        split = _kernel(
+            "kvarn_attention_split",
+            _SPLIT_INPUTS,
+            ["o_part", "m_part", "l_part"],
+            "attention_split.metal",
+        )
+        combine = _kernel(
+            "kvarn_attention_combine",
+            ["o_part", "m_part", "l_part", "params"],
+            ["out"],
+            "attention_combine.metal",
+        )
+        _attention_pair = (factory, split, combine)
+    return _attention_pair[1:]
 
 
 class _Call:
@@ -383,6 +390,8 @@ class _Call:
 
     def recent(self, view):
         rk, rv = _recent_buffers(view) if self.own_lens else (view.recent_k, view.recent_v)
+        if self.n_tail and rk.dtype == self.kv_dtype and rv.dtype == self.kv_dtype:
+            return rk, rv  # as they are: no astype call
         return self._dense(rk, self.n_tail), self._dense(rv, self.n_tail)
 
 
@@ -424,6 +433,7 @@ class _Plan:
         self.combine_grid = (D, BH * R, 1)
         self.combine_threadgroup = (D, 1, 1)  # D <= 256: one threadgroup per row
         self.combine_shapes = [(B, Hq, L, D)]
+        self.combine_dtypes = [q.dtype]
 
 
 _plans = {}
