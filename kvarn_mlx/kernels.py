@@ -11,9 +11,10 @@ one-time self-test on a real device.
   read. The tile storage is read in place: the kernel gets its capacity and
   the number of valid tiles.
 
-Kernels are built once per process with ``mx.fast.metal_kernel`` (MLX compiles
-one pipeline per template instantiation and caches it). Nothing here touches
-Metal at import time; which path runs is decided in dispatch.py.
+Kernels are built with ``mx.fast.metal_kernel``, one kernel object per set of
+compile-time constants (dtypes, head dim, tile size, bits), which open the body as
+declarations (MLX compiles one pipeline per kernel and caches it). Nothing here
+touches Metal at import time; which path runs is decided in dispatch.py.
 """
 
 from __future__ import annotations
@@ -56,22 +57,57 @@ def _source(name: str) -> str:
     return _sources[name]
 
 
-def _kernel(name: str, input_names, output_names, source_file: str):
-    """The kernel object, built once per (name, factory): the emulator's
-    factory (tests) and the real one never share objects."""
+def _kernel(name: str, input_names, output_names, source_file: str, constants=()):
+    """The kernel object for these compile-time constants ((name, int, bool or dtype)
+    pairs), built once per (name, constants, factory): the emulator's factory (tests)
+    and the real one never share objects.
+
+    The constants open the body as declarations rather than going in as template
+    arguments: with template arguments MLX rebuilds the instantiation's name at every
+    call (a std::regex and a string stream), which measured about 4 us of host time a
+    call (benchmarks/kernel_call_cost.py), for every layer at every decode step."""
     factory = mx.fast.metal_kernel
-    key = (name, id(factory))
+    key = (name, id(factory), constants)
     k = _kernels.get(key)
     if k is None:
         k = factory(
-            name=name,
+            name="_".join([name, *(_constant_tag(v) for _, v in constants)]),
             input_names=list(input_names),
             output_names=list(output_names),
-            source=_source(source_file),
+            source=_declarations(constants) + _source(source_file),
             header=_source("kvarn_common.h"),
         )
         _kernels[key] = k
     return k
+
+
+# The type names MLX's generated signatures use.
+_METAL_TYPES = {
+    mx.float32: "float",
+    mx.float16: "float16_t",
+    mx.bfloat16: "bfloat16_t",
+    mx.uint8: "uint8_t",
+    mx.uint32: "uint32_t",
+    mx.int32: "int32_t",
+}
+
+
+def _declarations(constants):
+    lines = []
+    for n, v in constants:
+        if isinstance(v, mx.Dtype):
+            lines.append(f"typedef {_METAL_TYPES[v]} {n};")
+        elif isinstance(v, bool):
+            lines.append(f"constexpr bool {n} = {'true' if v else 'false'};")
+        else:
+            lines.append(f"constexpr int {n} = {int(v)};")
+    return "".join(line + "\n" for line in lines)
+
+
+def _constant_tag(v):
+    if isinstance(v, mx.Dtype):
+        return _METAL_TYPES[v].removesuffix("_t")
+    return str(int(v))
 
 
 # Tile quantization ------------------------------------------------------------------
@@ -107,15 +143,11 @@ def _quantize_metal(x, bits, iters, rotated, scale_dtype, keys):
     nsg = 16  # 512 threads: NSG*32 >= D and NSG*D*4 <= 16 KB of threadgroup memory for D <= 256
     sdt = quant._SCALE_DTYPES[scale_dtype]
     k = _kernel(
-        "kvarn_quantize_tiles", ["tiles"], ["words", "a", "b", "col"], "quantize_tiles.metal"
-    )
-    if keys:
-        shapes = [(nt, D, G * bits // 32), (nt, D), (nt, D), (nt, G)]
-    else:
-        shapes = [(nt, G, D * bits // 32), (nt, G), (nt, G), (nt, D)]
-    words, a, b, col = k(
-        inputs=[x.reshape(nt, G, D)],
-        template=[
+        "kvarn_quantize_tiles",
+        ["tiles"],
+        ["words", "a", "b", "col"],
+        "quantize_tiles.metal",
+        (
             ("T", x.dtype),
             ("S", sdt),
             ("D", D),
@@ -125,7 +157,14 @@ def _quantize_metal(x, bits, iters, rotated, scale_dtype, keys):
             ("KEYS", bool(keys)),
             ("ROT", bool(rotated)),
             ("NSG", nsg),
-        ],
+        ),
+    )
+    if keys:
+        shapes = [(nt, D, G * bits // 32), (nt, D), (nt, D), (nt, G)]
+    else:
+        shapes = [(nt, G, D * bits // 32), (nt, G), (nt, G), (nt, D)]
+    words, a, b, col = k(
+        inputs=[x.reshape(nt, G, D)],
         grid=(32 * nsg, nt, 1),
         threadgroup=(32 * nsg, 1, 1),
         output_shapes=shapes,
@@ -309,11 +348,10 @@ def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None)
     plan = call.plan
     if own_lens:
         row_lens = _lengths(plan.head[0], S, Tn)
-    split, combine = _attention_kernels()
+    split, combine = plan.kernels()
     tail_k, tail_v = call.recent(view)
     o_part, m_part, l_part = split(
         inputs=[q, call.rot_k, *call.fixed, tail_k, tail_v, call.params, row_lens, _scalar(scale)],
-        template=plan.split_template,
         grid=plan.split_grid,
         threadgroup=(_ATT_THREADS, 1, 1),
         output_shapes=plan.split_shapes,
@@ -321,7 +359,6 @@ def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None)
     )
     (out,) = combine(
         inputs=[o_part, m_part, l_part, call.params],
-        template=plan.combine_template,
         grid=plan.combine_grid,
         threadgroup=plan.combine_threadgroup,
         output_shapes=plan.combine_shapes,  # rows bh*R + r are q's rows
@@ -331,28 +368,6 @@ def packed_attention_metal(q, view: StepView, scale, causal=True, row_lens=None)
 
 
 _PARTS_DTYPES = [mx.float32, mx.float32, mx.float32]
-_attention_pair = (None, None, None)  # (factory, split kernel, combine kernel)
-
-
-def _attention_kernels():
-    """The two attention kernels of the current factory (a decode step asks every layer)."""
-    global _attention_pair
-    factory = mx.fast.metal_kernel
-    if _attention_pair[0] is not factory:
-        split = _kernel(
-            "kvarn_attention_split",
-            _SPLIT_INPUTS,
-            ["o_part", "m_part", "l_part"],
-            "attention_split.metal",
-        )
-        combine = _kernel(
-            "kvarn_attention_combine",
-            ["o_part", "m_part", "l_part", "params"],
-            ["out"],
-            "attention_combine.metal",
-        )
-        _attention_pair = (factory, split, combine)
-    return _attention_pair[1:]
 
 
 class _Call:
@@ -418,7 +433,7 @@ class _Plan:
         # step, n_rows: of row_lens
         self.head, self.rest = (n_tiles, BH, S), (tps, L, R, int(causal), NS, n_rc, Hkv)
         self.params = {}
-        self.split_template = [
+        self.split_constants = (
             ("T", kv_dtype),
             ("SC", tiles.k_a.dtype),
             ("D", D),
@@ -426,14 +441,35 @@ class _Plan:
             ("KB", view.k_bits),
             ("VB", view.v_bits),
             ("RC", rc),
-        ]
+        )
         self.split_grid = (_ATT_THREADS, NS, BH * n_rc)
         self.split_shapes = [(BH, NS, R, D), (BH, NS, R), (BH, NS, R)]
-        self.combine_template = [("T", q.dtype), ("D", D), ("ROT", bool(view.rotate_v))]
+        self.combine_constants = (("T", q.dtype), ("D", D), ("ROT", bool(view.rotate_v)))
         self.combine_grid = (D, BH * R, 1)
         self.combine_threadgroup = (D, 1, 1)  # D <= 256: one threadgroup per row
         self.combine_shapes = [(B, Hq, L, D)]
         self.combine_dtypes = [q.dtype]
+        self._kernels = (None, None, None)  # (factory, split, combine)
+
+    def kernels(self):
+        """The two kernels of these constants, from the current factory."""
+        if self._kernels[0] is not mx.fast.metal_kernel:
+            split = _kernel(
+                "kvarn_attention_split",
+                _SPLIT_INPUTS,
+                ["o_part", "m_part", "l_part"],
+                "attention_split.metal",
+                self.split_constants,
+            )
+            combine = _kernel(
+                "kvarn_attention_combine",
+                ["o_part", "m_part", "l_part", "params"],
+                ["out"],
+                "attention_combine.metal",
+                self.combine_constants,
+            )
+            self._kernels = (mx.fast.metal_kernel, split, combine)
+        return self._kernels[1:]
 
 
 _plans = {}

@@ -7,7 +7,8 @@
 //          and tail (split NS-1) part, o_rot the rotated tile splits' part (H: the
 //          normalized Sylvester Hadamard transform, as mx.hadamard_transform, when ROT;
 //          else the identity), both divided by the total sum.
-// template: T (output dtype), D (a power of two, <= 256), ROT (values stored rotated)
+// constants (declared before the body by kernels._kernel): T (output dtype), D (a power of
+//   two, <= 256), ROT (values stored rotated)
 // grid (D, BH*R, 1), threadgroup (D, 1, 1): one threadgroup per query row.
 //
 // Thread -> data: thread (d, row) merges channel d of query row `row` (= bh*R + r) over all

@@ -24,7 +24,7 @@
 //            a batch pads shorter rows, and these leave the padding unread)
 //          scale float32 [1]
 // outputs: o_part [BH, NS, R, D], m_part [BH, NS, R], l_part [BH, NS, R] (float32)
-// template: T, SC, D, G, KB, VB, RC
+// constants (declared before the body by kernels._kernel): T, SC, D, G, KB, VB, RC
 // grid (256, NS, BH*n_rc), threadgroup (256, 1, 1).
 //
 // Thread -> data (scores): thread t scores token g = t/CP with channel part cp = t%CP (channels cp*DPC..+DPC) for all RC rows; (values): lane = cl*TL + tl, token lane tl takes tokens tl, tl+TL, ..., channels d0 = (sg*CL + cl)*4 .. d0+3, o[RC][4] in registers.

@@ -6,7 +6,8 @@
 // inputs:  tiles [NT, G, D] (T: model dtype, tokens x channels, unrotated unless ROT == 0)
 // outputs: KEYS: words [NT, D, G*BITS/32], a [NT, D], b [NT, D], col [NT, G]   (col = t)
 //          else: words [NT, G, D*BITS/32], a [NT, G], b [NT, G], col [NT, D]   (col = c)
-// template: T, S (scale dtype), D, G, BITS, ITERS, KEYS, ROT, NSG (simdgroups per threadgroup)
+// constants (declared before the body by kernels._kernel): T, S (scale dtype), D, G, BITS,
+//   ITERS, KEYS, ROT, NSG (simdgroups per threadgroup)
 // grid (32*NSG, NT, 1), threadgroup (32*NSG, 1, 1).
 //
 // Thread -> data: simdgroup sg owns tokens [sg*RPS, sg*RPS+RPS), lane owns channels [lane*EPL, lane*EPL+EPL); x[r][e] (registers) = tile(token sg*RPS+r, channel lane*EPL+e).

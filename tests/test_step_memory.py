@@ -136,7 +136,7 @@ def test_kernel_gets_the_storage_arrays_themselves(monkeypatch):
         return call
 
     monkeypatch.setattr(kernels, "_kernel", spy_kernel)
-    monkeypatch.setattr(kernels, "_attention_pair", (None, None, None))  # built anew: spied
+    monkeypatch.setattr(kernels, "_plans", {})  # plans anew: their kernels through the spy
     dispatch.set_backend("auto")
     try:
         with mslemu.patch_mlx() if mslemu else contextlib.nullcontext():
