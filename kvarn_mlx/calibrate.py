@@ -44,7 +44,7 @@ from . import profile as profiles
 from .batch_cache import BatchKVarNCache
 from .cache import KVarNCache, cannot_hold
 from .config import DEFAULT_PRESET, FP8_MAX_BITS, PRESETS, SUPPORTED_BITS, get_preset
-from .eval.runner import Progress, load_text, log_softmax
+from .eval.runner import Progress, kl, load_text, log_softmax
 from .integration import make_cache, quantizable_layers
 
 log = logging.getLogger("kvarn_mlx")
@@ -236,10 +236,6 @@ def _call(layer, call, h, cache):
     return layer(*args, **kwargs)
 
 
-def _kl(lp_ref, lp):
-    return (mx.exp(lp_ref) * (lp_ref - lp)).sum(axis=-1)
-
-
 def _layer_cache(row_caches):
     return row_caches[0] if len(row_caches) == 1 else BatchKVarNCache(row_caches)
 
@@ -251,7 +247,7 @@ def measure_replayed(model, rec, l, row_caches, first_read):
     caches = make_prompt_cache(model)
     caches[l] = _layer_cache(row_caches)
     layers = list(model.layers)
-    kl, n = mx.zeros((B,)), 0
+    total, n = mx.zeros((B,)), 0
     for i, (s, e) in enumerate(rec.chunks):
         h = _rows(rec.inputs[l][i], B)
         if s < first_read:  # no position here reads a quantized tile: downstream is the plain pass
@@ -263,15 +259,15 @@ def measure_replayed(model, rec, l, row_caches, first_read):
         for j in range(l, len(layers)):
             h = _call(layers[j], rec.calls[j][i], h, caches[j])
         if i in rec.measured:
-            kl = kl + mx.stack(
+            total = total + mx.stack(
                 [
-                    _kl(rec.ref[i], log_softmax(_head(model, rec.ids[s:e], h[b : b + 1])[0])).sum()
+                    kl(rec.ref[i], log_softmax(_head(model, rec.ids[s:e], h[b : b + 1])[0])).sum()
                     for b in range(B)
                 ]
             )
             n += e - s
-        mx.eval(h, kl)
-    return np.array(kl / max(n, 1)).tolist()
+        mx.eval(h, total)
+    return np.array(total / max(n, 1)).tolist()
 
 
 def _head(model, ids, h):
@@ -286,14 +282,14 @@ def measure_whole(model, rec, l, cache):
     caches = make_prompt_cache(model)
     caches[l] = cache
     x = mx.array(rec.ids)[None]
-    kl, n = mx.array(0.0), 0
+    total, n = mx.array(0.0), 0
     for i, (s, e) in enumerate(rec.chunks):
         logits = model(x[:, s:e], cache=caches)
         if i in rec.measured:
-            kl = kl + _kl(rec.ref[i], log_softmax(logits[0])).sum()
+            total = total + kl(rec.ref[i], log_softmax(logits[0])).sum()
             n += e - s
-        mx.eval(kl, logits)
-    return kl.item() / max(n, 1)
+        mx.eval(total, logits)
+    return total.item() / max(n, 1)
 
 
 # -- calibration -----------------------------------------------------------------------

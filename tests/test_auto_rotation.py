@@ -9,6 +9,7 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from kvarn_mlx import KVarNCache, get_preset, make_cache, patch, rotation, unpatch, waiting_tiles
+from kvarn_mlx.eval.runner import kl as kl_per_position
 from kvarn_mlx.eval.runner import log_softmax
 from models import tiny_model, tokens
 
@@ -74,11 +75,6 @@ def mean_kl(model, toks, config, skip=64):
     cache = make_cache(model, config)
     out = logits(model, toks, cache)
     return float(kl_per_position(log_softmax(ref), log_softmax(out))[skip:].mean()), cache
-
-
-def kl_per_position(lp, lq):
-    """KL(p || q) per row of log-probabilities lp, lq [positions, vocabulary]."""
-    return (mx.exp(lp) * (lp - lq)).sum(axis=-1)
 
 
 def rotated_heads(cache):

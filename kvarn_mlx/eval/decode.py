@@ -6,7 +6,7 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 from .methods import make_caches, method_bits
-from .runner import Progress, for_model, log_softmax, pyplot, run_chunks, tokens
+from .runner import Progress, for_model, kl, log_softmax, pyplot, run_chunks, tokens
 
 NAME = "decode"
 HELP = "greedy decode: first divergence and per-step KL"
@@ -109,10 +109,10 @@ def _forced(model, ids, caches, traj, ref_lp, chunk, label):
     bar = Progress(len(traj), f"{label} decode")
     for i, t in enumerate(traj):
         lp = log_softmax(y)
-        kl = (mx.exp(ref_lp[i]) * (ref_lp[i] - lp)).sum()
+        k = kl(ref_lp[i], lp)
         top = mx.argmax(lp)
-        mx.eval(kl, top)
-        kls.append(max(float(kl.item()), 0.0))
+        mx.eval(k, top)
+        kls.append(max(float(k.item()), 0.0))
         agree.append(int(top.item()) == t)
         if first_div is None and not agree[-1]:
             first_div = i

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from .methods import SINK, cache_bytes, make_caches, method_bits
-from .runner import Progress, for_model, log_softmax, pyplot, tokens
+from .runner import Progress, for_model, kl, log_softmax, pyplot, tokens
 
 NAME = "fidelity"
 HELP = "teacher-forced KL / top-1 / perplexity vs the plain cache"
@@ -80,7 +80,7 @@ def fidelity(
             if name == "fp":
                 lp_ref, top_ref = lp, mx.argmax(lp, axis=-1)
             n = lp.shape[0]
-            k = (mx.exp(lp_ref) * (lp_ref - lp)).sum(axis=-1)
+            k = kl(lp_ref, lp)
             a = mx.argmax(lp, axis=-1) == top_ref
             t = -mx.take_along_axis(lp, targets[s : s + n, None], axis=-1)[:, 0]
             mx.eval(k, a, t, lp_ref, top_ref)
@@ -101,7 +101,7 @@ def fidelity(
         ppl_fp = float(np.exp(per_pos["fp"]["nll"][sel].mean()))
         for name in per_pos:
             p = per_pos[name]
-            kl = p["kl"][sel].astype(np.float64)
+            kls = np.maximum(p["kl"][sel].astype(np.float64), 0)
             ppl = float(np.exp(p["nll"][sel].mean()))
             b = bytes_at[name].get(Lc, {})
             rows.append(
@@ -109,8 +109,8 @@ def fidelity(
                     "method": name,
                     "bits_kv": method_bits(name),
                     "context": Lc,
-                    "kl_mean": float(np.maximum(kl, 0).mean()),
-                    "kl_p99": float(np.percentile(np.maximum(kl, 0), 99)),
+                    "kl_mean": float(kls.mean()),
+                    "kl_p99": float(np.percentile(kls, 99)),
                     "top1_agree": float(p["agree"][sel].mean()),
                     "ppl": ppl,
                     "ppl_delta": ppl - ppl_fp,

@@ -36,6 +36,7 @@ from .runner import (
     Progress,
     append_checkpoint,
     for_model,
+    kl,
     log_softmax,
     pyplot,
     read_checkpoint,
@@ -256,10 +257,10 @@ def forced_steps(model, ids, caches, ends, traj, ref_lp, chunk, label):
     def score(i, logits):  # logits [n, V] predicting traj[i : i + n]
         lp = log_softmax(logits)
         ref = mx.stack(ref_lp[i : i + lp.shape[0]])
-        kl = (mx.exp(ref) * (ref - lp)).sum(axis=-1)
+        k = kl(ref, lp)
         same = mx.argmax(lp, axis=-1) == mx.array(traj[i : i + lp.shape[0]])
-        mx.eval(kl, same)
-        kls.extend(np.maximum(np.array(kl), 0.0).tolist())
+        mx.eval(k, same)
+        kls.extend(np.maximum(np.array(k), 0.0).tolist())
         agree.extend(np.array(same).tolist())
 
     score(0, y[None])
@@ -300,12 +301,12 @@ def markdown(res, meta_md):
         "|---|---|---|---|---|---|---|" + "---|" * len(wins),
     ]
     for name, r in res["methods"].items():
-        kl = np.asarray(r["kl"])
+        kls = np.asarray(r["kl"])
         fd = ", ".join("none" if d is None else str(d) for d in r["first_divergence"])
         out.append(
             f"| {name} | {method_bits(name)} | {fd} | {r['first_divergence_median']:.0f} | "
-            f"{np.mean(r['agreement']):.3f} | {kl.mean():.4f} | {np.percentile(kl, 99):.3f} | "
-            + " | ".join(f"{kl[a:b].mean():.4f}" for a, b in wins)
+            f"{np.mean(r['agreement']):.3f} | {kls.mean():.4f} | {np.percentile(kls, 99):.3f} | "
+            + " | ".join(f"{kls[a:b].mean():.4f}" for a, b in wins)
             + " |"
         )
     out.append(

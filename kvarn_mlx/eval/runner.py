@@ -100,6 +100,11 @@ def log_softmax(x):
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
+def kl(lp_ref, lp):
+    """KL(p_ref || p) over the last axis, from log-probabilities (log_softmax)."""
+    return (mx.exp(lp_ref) * (lp_ref - lp)).sum(axis=-1)
+
+
 def metadata(model_name, command=None):
     """Model, command, versions, machine and date of a run."""
     import mlx_lm
