@@ -143,3 +143,18 @@ def test_step_memo_runs_and_restores_the_memo(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "with the memo" in out and "x the plain cache's host build, without" in out
     assert kernels._step_memo is memo
+
+
+def test_kernel_call_cost_runs_both_factories_and_restores_them(tmp_path):
+    from kvarn_mlx import dispatch, kernels
+
+    factory, use_metal = mx.fast.metal_kernel, dispatch.use_metal
+    kcc = load_benchmark("kernel_call_cost")
+    kcc.main(["--context", "384", "--calls", "3", "--repeats", "2", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "kernel_call_cost.json").read_text())
+    assert set(data["us_per_call"]) == {"real", "stand_in", "plain_stand_in"}
+    assert all(us > 0 for us in data["us_per_call"].values())
+    assert "python " in (tmp_path / "kernel_call_cost.md").read_text()
+    assert mx.fast.metal_kernel is factory and dispatch.use_metal is use_metal
+    # the real factory built the kernels for the traced calls
+    assert any(key[1] == id(factory) for key in kernels._kernels)
