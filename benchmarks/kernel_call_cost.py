@@ -100,8 +100,15 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--out", default=None, help="write kernel_call_cost.md/.json here")
     args = p.parse_args(argv)
-    a = args
-    r = measure(a.method, a.context, a.kv_heads, a.q_heads, a.head_dim, a.calls, a.repeats)
+    r = measure(
+        args.method,
+        args.context,
+        args.kv_heads,
+        args.q_heads,
+        args.head_dim,
+        args.calls,
+        args.repeats,
+    )
     rows = [
         ("packed_attention_metal, real mx.fast.metal_kernel (export trace)", r["real"]),
         ("packed_attention_metal, step_graph's stand-in", r["stand_in"]),

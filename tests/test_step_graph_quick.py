@@ -150,7 +150,7 @@ def test_kernel_call_cost_runs_both_factories_and_restores_them(tmp_path):
 
     factory, use_metal = mx.fast.metal_kernel, dispatch.use_metal
     kcc = load_benchmark("kernel_call_cost")
-    kcc.main(["--context", "384", "--calls", "3", "--repeats", "2", "--out", str(tmp_path)])
+    kcc.main(["--context", "384", "--calls", "20", "--repeats", "2", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "kernel_call_cost.json").read_text())
     assert set(data["us_per_call"]) == {"real", "stand_in", "plain_stand_in"}
     assert all(us > 0 for us in data["us_per_call"].values())
