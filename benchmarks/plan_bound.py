@@ -48,14 +48,14 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from kvarn_mlx import byte_models, memory, model_info, plan
 from kvarn_mlx.atomic_json import write_json
-from kvarn_mlx.config import PRESETS, get_preset
+from kvarn_mlx.config import PRESETS, get_preset, user_preset
 
 CHUNK = byte_models.PREFILL_STEP_SIZE
 
 
-def build_caches(model, name, tail_tokens=0):
+def build_caches(model, name, tail_tokens=None):
     """The caches the CLIs build for cache `name` of the planner's table (a KVarN
-    preset with tail_tokens, as --kv-tail-tokens sets it)."""
+    preset with tail_tokens, as --kv-tail-tokens sets it; None: make_cache's default)."""
     if name.startswith("plain"):
         return make_prompt_cache(model)
     if name.startswith("mlx-lm"):
@@ -64,7 +64,7 @@ def build_caches(model, name, tail_tokens=0):
             QuantizedKVCache(byte_models.MLX_KV_GROUP_SIZE, bits) if type(c) is KVCache else c
             for c in make_prompt_cache(model)
         ]
-    return plan._quiet_make_cache(model, get_preset(name, tail_tokens=tail_tokens))
+    return plan._quiet_make_cache(model, user_preset(name, tail_tokens=tail_tokens))
 
 
 def steps(n, decode):
@@ -128,10 +128,11 @@ def run(args):
     dtype = model_info.config_dtype(info.config) or "float16"
     lazy = model_info.lazy_model(info.config, dtype)
     plans = {p.name: p for p in plan.cache_plans(info.config, dtype, model=lazy) if p.error is None}
-    if args.tail_tokens:  # the presets with that tail: their byte models, as budget.py builds them
+    tail = args.tail_tokens
+    if tail is not None:  # the presets' byte models with that tail (as budget.py)
         layers = byte_models.model_layers(lazy)
         for name in PRESETS:
-            config = get_preset(name, tail_tokens=args.tail_tokens)
+            config = get_preset(name, tail_tokens=tail)
             kinds = plan.kvarn_kinds(lazy, config)
             plans[name] = plan._cache_plan(name, "", layers, kinds, CHUNK)
     names = args.caches or list(plans)
@@ -152,7 +153,7 @@ def run(args):
             if name == "plain (float16)":
                 continue  # the model runs in its own dtype; float16 is the planner's aside
             t0 = time.time()
-            caches = build_caches(model or lazy, name, args.tail_tokens)
+            caches = build_caches(model or lazy, name, tail)
             if args.fill == "model":
                 held = list(fill_model(model, tokenizer, caches, n, counts))
             else:
@@ -191,7 +192,7 @@ def run(args):
         "dtype": dtype,
         "fill": args.fill,
         "decode": args.decode,
-        "tail_tokens": args.tail_tokens,
+        "tail_tokens": tail,
         "prefill_step_size": CHUNK,
         "command": shlex.join(["python", "benchmarks/plan_bound.py", *sys.argv[1:]]),
         "rows": rows,
@@ -234,7 +235,13 @@ def report(files):
         cell = {(row["cache"], row["context"]): row for row in zeros["rows"]}
         lines += [
             f"## {model} ({zeros['dtype']}; caches filled with unevaluated zeros"
-            + (f"; KVarN presets with tail_tokens={tail})" if tail else ")"),
+            + (
+                "; KVarN presets with make_cache's default tail)"
+                if tail is None
+                else f"; KVarN presets with tail_tokens={tail})"
+                if tail
+                else ")"
+            ),
             "",
             "| cache | " + " | ".join(f"{n:,}" for n in contexts) + " | bound |",
             "|---|" + "---|" * (len(contexts) + 1),
@@ -287,7 +294,12 @@ def main(argv=None):
     p.add_argument("--decode", type=int, default=8, help="one-token steps after token n")
     p.add_argument("--caches", nargs="+", default=None, help="default: every cache listed")
     p.add_argument("--fill", choices=("random", "zeros", "model"), default="random")
-    p.add_argument("--tail-tokens", type=int, default=0, help="the KVarN presets' tail_tokens")
+    p.add_argument(
+        "--tail-tokens",
+        type=int,
+        default=None,
+        help="the KVarN presets' tail_tokens (default: make_cache's, config.DEFAULT_TAIL_TOKENS)",
+    )
     p.add_argument("--out", required=True, help="JSON results file (with --report: markdown)")
     p.add_argument("--report", nargs="+", default=None, help="write the markdown of these results")
     args = p.parse_args(argv)

@@ -104,6 +104,12 @@ PRESETS = {
 DEFAULT_PRESET = "auto4v2"
 # Not a KVarN setting: the name the CLIs use for mlx-lm's plain float cache.
 FP16 = "fp16"
+# The newest tokens a cache keeps in full precision when the user sets none (make_cache,
+# --kv-tail-tokens), by tile size: a 128-token tail is on the KL-bytes frontier of every
+# model measured, at 4K and 16K (docs/results.md, "The precision tail"); 64-token tiles
+# (k4v2_g64) were not measured with one. Presets as get_preset returns them, and the
+# eval's methods, keep tail_tokens=0.
+DEFAULT_TAIL_TOKENS = {128: 128}
 
 
 _NAME = re.compile(r"k(\d+)v(\d+)_g(\d+)(_auto)?")
@@ -141,9 +147,19 @@ def get_preset(preset: "str | KVarNConfig", **overrides) -> KVarNConfig:
     return replace(named, **overrides)
 
 
+def user_preset(preset, **overrides) -> KVarNConfig:
+    """get_preset for a cache a user asks for by name (make_cache, the commands): without
+    a tail_tokens of its own it keeps its tile size's DEFAULT_TAIL_TOKENS in full
+    precision. A KVarNConfig is taken as it is."""
+    config = get_preset(preset, **overrides)
+    if isinstance(preset, str) and overrides.get("tail_tokens") is None:
+        config = replace(config, tail_tokens=DEFAULT_TAIL_TOKENS.get(config.group_size, 0))
+    return config
+
+
 def tail_error(preset, tail_tokens):
     """None if the preset (the default one for fp16) takes this tail_tokens (None: the
-    preset's own); else KVarNConfig's message. The one check of --kv-tail-tokens."""
+    default, user_preset's); else KVarNConfig's message. The one check of --kv-tail-tokens."""
     if tail_tokens is None:
         return None
     try:

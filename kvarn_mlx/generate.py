@@ -592,8 +592,10 @@ def generate(args):
             name = args.kv_preset + (
                 f", layers {args.kv_fp16_layers} plain" if args.kv_fp16_layers else ""
             )
-            if args.kv_tail_tokens and args.kv_preset != FP16:
-                name += f", newest {args.kv_tail_tokens} tokens in full precision"
+            tails = [c.config.tail_tokens for c in cache if isinstance(c, KVarNCache)]
+            tail = max(tails, default=0)
+            if tail:
+                name += f", newest {tail} tokens in full precision"
 
     with CtrlC() as ctrl_c:
         text, last = run(

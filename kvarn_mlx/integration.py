@@ -22,7 +22,7 @@ from .attention import packed_attention
 from .batch_cache import BatchKVarNCache
 from .cache import KVarNCache, cannot_hold
 from .cli_support import model_context
-from .config import DEFAULT_PRESET, FP16, get_preset
+from .config import DEFAULT_PRESET, FP16, user_preset
 
 log = logging.getLogger("kvarn_mlx")
 _warned = set()
@@ -182,7 +182,7 @@ def make_cache(
             if type(m) is not KVCache:
                 skipped.add(type(m).__name__)
                 continue
-            config = get_preset(p, **overrides)
+            config = user_preset(p, **overrides)
             problem = cannot_hold(config, *dims[i, j][1:3]) if (i, j) in dims else None
             n_kv += 1
             if problem:

@@ -445,9 +445,12 @@ def format_plan(p):
         "at any step up to that many tokens, whatever the order of prompt chunks and decode "
         "steps: sink, tail buffer (with a finished tile waiting for its commit turn) and "
         "preallocated room included, with prompts prefilled in chunks of "
-        f"{p['prefill_step_size']:,} tokens at most. The allowance does not grow with the "
+        f"{p['prefill_step_size']:,} tokens at most; KVarN presets as make_cache and the "
+        "commands build them, the newest 128 tokens in full precision on 128-token tiles "
+        "(--kv-tail-tokens). The allowance does not grow with the "
         "context: transient buffers of a long prefill that do (a chunk's attention scores where "
-        "attention is not fused) are not in it. Mean KL: to the plain cache, "
+        "attention is not fused) are not in it. Mean KL: to the plain cache, of the presets "
+        "without that tail (which lowered it in every measurement), "
         + (p["kl_source"] or "none known for this model (--profile PROFILE.json predicts them)")
         + "."
     )

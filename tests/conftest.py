@@ -3,6 +3,7 @@ import os
 import pytest
 
 import metal_emulator
+from kvarn_mlx import config
 
 # A tuning file measured on this machine (python -m kvarn_mlx.bench) must not change
 # which path the tests take: no tuning file, here and in the commands tests start.
@@ -53,6 +54,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(
             f"--fail-on-skip: {len(other)} skipped (reasons below): failing", red=True
         )
+
+
+@pytest.fixture(autouse=True)
+def no_default_tail(request, monkeypatch):
+    """make_cache and the commands keep the newest config.DEFAULT_TAIL_TOKENS tokens in full
+    precision unless told. The suite's sequences are short and most tests are about quantized
+    tiles, so in this process a preset named without a tail gets none; tests marked
+    default_tail, and commands the tests run as subprocesses, get the default."""
+    if "default_tail" not in request.keywords:
+        monkeypatch.setattr(config, "DEFAULT_TAIL_TOKENS", {})
 
 
 @pytest.fixture(scope="session")

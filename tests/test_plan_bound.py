@@ -32,7 +32,9 @@ def setup():
     return load_benchmark("plan_bound"), lazy, plans
 
 
-# 4096: the sink and 31 tiles; 6000: off a tile boundary; 8192: more tiles (slow).
+# 4096: the sink and 31 tiles; 6000: off a tile boundary; 8192: more tiles (slow). The
+# planner and the caches both with make_cache's default tail.
+@pytest.mark.default_tail
 @pytest.mark.parametrize(
     "n",
     [4096, pytest.param(6000, marks=pytest.mark.slow), pytest.param(8192, marks=pytest.mark.slow)],

@@ -56,6 +56,35 @@ def test_config_checks_tail_tokens():
     assert KVarNConfig(group_size=64, tail_tokens=64).tail_tokens == 64
 
 
+def tails(caches):
+    return {c.config.tail_tokens for c in caches if isinstance(c, KVarNCache)}
+
+
+@pytest.mark.default_tail
+def test_a_preset_asked_for_by_name_keeps_the_default_tail():
+    model = tiny_model("llama64")
+    assert tails(make_cache(model)) == {128}  # the default preset, auto4v2
+    assert tails(make_cache(model, "k2v2_g128")) == {128}
+    assert tails(make_cache(model, "k4v2_g64")) == {0}  # 64-token tiles: not measured with one
+    assert tails(make_cache(model, "k2v2_g128", tail_tokens=0)) == {0}
+    assert tails(make_cache(model, "k2v2_g128", tail_tokens=512)) == {512}
+    # A config is taken as it is; the presets as get_preset names them have none.
+    assert tails(make_cache(model, KVarNConfig(k_bits=2, v_bits=2))) == {0}
+    assert get_preset("auto4v2").tail_tokens == 0
+    # The server builds its caches the same way.
+    from kvarn_mlx.server.hooks import cache_factory
+
+    assert tails(cache_factory("auto4v2")(model)) == {128}
+    assert tails(cache_factory("auto4v2", tail_tokens=0)(model)) == {0}
+
+
+@pytest.mark.e2e
+@pytest.mark.default_tail
+def test_generate_says_the_default_tail(capsys, smollm):
+    generate.main(["--prompt", "Hi", "--max-tokens", "2"])
+    assert "newest 128 tokens in full precision" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("preset", ["k4v2_g64", "k2v2_g64_auto"])
 @pytest.mark.parametrize("tail", [64, 256])
 def test_tiles_are_those_of_no_tail_and_the_tail_is_exact(preset, tail):

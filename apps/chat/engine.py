@@ -51,7 +51,7 @@ class Engine:
         """models: --model values (None = embedded); the first is loaded.
         loaded: an already loaded (model, tokenizer) for models[0] (tests).
         profile: (--kv-profile, --kv-bytes-like, --kv-max-kl, --kv-context), per-layer widths
-        instead of the preset's. tail_tokens: --kv-tail-tokens (None: the preset's)."""
+        instead of the preset's. tail_tokens: --kv-tail-tokens (None: make_cache's default)."""
         self.specs = {model_id(s): s for s in models}
         self.profile = profile
         self.tail_tokens = tail_tokens

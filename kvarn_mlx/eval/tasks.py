@@ -212,11 +212,12 @@ def program(problem, answer):
 
 
 def new_cache(model, name):
-    """The per-problem cache of a method: make_cache for KVarN presets, mlx-lm's for fp."""
+    """The per-problem cache of a method: make_cache for KVarN presets (as named: no
+    tail, like every eval method without +tailN), mlx-lm's for fp."""
     if name == "fp":
         return make_prompt_cache(model)
     if name in PRESETS or re.fullmatch(r"k\d+v\d+_g\d+(_auto)?", name):
-        return make_cache(model, name)
+        return make_cache(model, name, tail_tokens=0)
     return make_caches(model, name)
 
 

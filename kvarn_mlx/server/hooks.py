@@ -28,7 +28,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from .. import budget
 from ..batch_cache import BatchKVarNCache
-from ..config import DEFAULT_PRESET, FP16, get_preset
+from ..config import DEFAULT_PRESET, FP16, user_preset
 from ..integration import make_cache
 from ..profile import from_settings
 from .stats import KVStats
@@ -59,13 +59,13 @@ def cache_factory(
     """mlx-lm's make_prompt_cache(model, max_kv_size=None), building KVarN
     caches (preset "fp16": mlx-lm's own caches; profile: (--kv-profile,
     --kv-bytes-like, --kv-max-kl, --kv-context), per-layer widths instead of the preset's;
-    sink, tail_tokens: --kv-sink, --kv-tail-tokens, None for the preset's).
+    sink, tail_tokens: --kv-sink, --kv-tail-tokens, None for the defaults: user_preset).
     The draft model of speculative decoding keeps mlx-lm's plain cache: it only
     proposes tokens."""
     if preset == FP16 and profile[0] is None:
         return mlx_cache.make_prompt_cache
     overrides = dict(sink=sink, tail_tokens=tail_tokens)
-    config = get_preset(preset, **overrides) if profile[0] is None else None
+    config = user_preset(preset, **overrides) if profile[0] is None else None
 
     def make_prompt_cache(model, max_kv_size=None):
         if max_kv_size is not None:
