@@ -14,7 +14,11 @@ from pathlib import Path
 from kvarn_mlx.atomic_json import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
-TABLES = {"smollm2-135m-instruct": "frontier_smollm2", "gemma-3-270m": "frontier_gemma3"}
+TABLES = {
+    "smollm2-135m-instruct": "frontier_smollm2",
+    "gemma-3-270m": "frontier_gemma3",
+    "qwen2.5-coder-1.5b": "frontier_qwen1.5b",
+}
 # The frontier tables' method names for mlx-lm's caches -> the planner's cache names.
 MLX_NAMES = {"mlxq8": "mlx-lm 8-bit", "mlxq4": "mlx-lm 4-bit"}
 
