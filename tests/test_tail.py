@@ -76,6 +76,17 @@ def test_a_preset_asked_for_by_name_keeps_the_default_tail():
 
     assert tails(cache_factory("auto4v2")(model)) == {128}
     assert tails(cache_factory("auto4v2", tail_tokens=0)(model)) == {0}
+    # ... and /v1/kv_stats says which tail they keep.
+    from argparse import Namespace
+
+    from kvarn_mlx.server.handler import APIHandler
+
+    def stated(preset, tail=None, profile=None):
+        settings = Namespace(kv_preset=preset, kv_tail_tokens=tail, kv_profile=profile)
+        return APIHandler.kv_tail_tokens(Namespace(settings=settings))
+
+    assert [stated("auto4v2"), stated("auto4v2", 0), stated("k4v2_g64")] == [128, 0, 0]
+    assert stated("fp16") is None
 
 
 @pytest.mark.e2e

@@ -15,7 +15,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import mlx_lm.server as mlx_server
 
 from .. import guard
-from ..config import DEFAULT_PRESET
+from ..config import DEFAULT_PRESET, FP16, user_preset
 from ..integration import profile_mix
 from ..profile import from_settings
 from .http_io import check_request, parse_json, read_body, send_error, send_json
@@ -147,11 +147,21 @@ class APIHandler(mlx_server.APIHandler):
         stats.update(
             kv_preset=self.settings.kv_preset,
             kv_sink=self.settings.kv_sink,
-            kv_tail_tokens=self.settings.kv_tail_tokens,
+            kv_tail_tokens=self.kv_tail_tokens(),
             model=self.response_generator.cli_args.model,
             **self.kv_widths(),
         )
         self.send_json(stats)
+
+    def kv_tail_tokens(self):
+        """The tail the KVarN caches keep: --kv-tail-tokens, else make_cache's default for the
+        preset (a profile's mix: none; fp16: None, no KVarN cache)."""
+        s = self.settings
+        if from_settings(s, DEFAULT_PRESET)[0] is not None:
+            return s.kv_tail_tokens or 0
+        if s.kv_preset == FP16:
+            return None
+        return user_preset(s.kv_preset, tail_tokens=s.kv_tail_tokens).tail_tokens
 
     def kv_widths(self):
         """With --kv-profile: the profile and the per-layer widths chosen from it
