@@ -370,3 +370,60 @@ def test_a_file_no_eval_wrote_is_refused_untouched(tmp_path, text):
     with pytest.raises(SystemExit, match="pass a new file"):
         main(["--out", str(tmp_path), "tasks", "--checkpoint", str(notes)])
     assert notes.read_bytes() == before
+
+
+class _StopsAfter:
+    """The model, raising KeyboardInterrupt at its n-th call (a run stopped by hand)."""
+
+    def __init__(self, model, n):
+        self.model, self.n = model, n
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        self.n -= 1
+        if self.n < 0:
+            raise KeyboardInterrupt
+        return self.model(*args, **kwargs)
+
+
+def test_a_stopped_fidelity_run_resumes_from_its_state(model, tmp_path, monkeypatch):
+    from kvarn_mlx.eval import fidelity as fidelity_module
+    from kvarn_mlx.eval.fidelity import RunState
+
+    methods, contexts = ["auto4v2", "k2v2_g128+tail128", "mlxq4"], [384, 640]
+    want = fidelity(model, Bytes(), methods, contexts, chunk=64, attention_mode="packed")
+    monkeypatch.setattr(fidelity_module, "STATE_EVERY", -1)  # save before every chunk
+    folder = tmp_path / "state"
+    with pytest.raises(KeyboardInterrupt):  # in chunk 6 of 10, the third method's call
+        fidelity(
+            _StopsAfter(model, 5 * 4 + 2),
+            Bytes(),
+            methods,
+            contexts,
+            chunk=64,
+            attention_mode="packed",
+            state=RunState(folder),
+        )
+    assert json.loads((folder / "state.json").read_text())["chunks"] == 5
+    assert len(list(folder.iterdir())) == 1 + 2 * 4  # state.json, caches and metrics per method
+    with pytest.raises(ValueError, match="holds the state of another run"):
+        fidelity(model, Bytes(), methods[:2], contexts, chunk=64, state=RunState(folder))
+    with pytest.raises(ValueError, match="is a file; pass a folder"):
+        RunState(folder / "state.json")
+    got = fidelity(
+        _StopsAfter(model, 5 * 4),  # the 5 chunks left, no more
+        Bytes(),
+        methods,
+        contexts,
+        chunk=64,
+        attention_mode="packed",
+        state=RunState(folder),
+    )
+    assert not folder.exists()  # the finished run removes its state
+    for a, b in zip(want["rows"], got["rows"]):
+        assert a.keys() == b.keys()
+        for key in a:
+            close = pytest.approx(b[key], rel=1e-6) if isinstance(b[key], float) else b[key]
+            assert a[key] == close, (a["method"], key)

@@ -88,7 +88,12 @@ def main(argv=None, model=None, tokenizer=None, model_name=None):
     meta = metadata(model_name, "python -m kvarn_mlx.eval " + " ".join(argv))
     # An experiment that always takes one path (tasks: the batched, packed one) says so.
     meta["attention"] = getattr(EXPERIMENTS[args.cmd], "ATTENTION", args.attention)
-    result, md, draw = EXPERIMENTS[args.cmd].run(args, model, tokenizer, names, meta_markdown(meta))
+    try:
+        result, md, draw = EXPERIMENTS[args.cmd].run(
+            args, model, tokenizer, names, meta_markdown(meta)
+        )
+    except fidelity.StateError as e:
+        raise SystemExit(f"kvarn_mlx.eval: {e}") from None
     write_results(args.out, args.cmd, args.tag, meta, result, md, draw)
     return result
 

@@ -2,11 +2,16 @@
 cache's, per context length (mean / p99 KL, top-1 agreement, perplexity delta,
 bytes held)."""
 
+import hashlib
+import json
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from ..atomic_json import write_json
 from .methods import SINK, cache_bytes, make_caches, method_bits
 from .runner import Progress, for_model, kl, log_softmax, pyplot, tokens
 
@@ -27,12 +32,29 @@ def add_arguments(p):
         help="topics (CPython pydoc_data/topics.py), licenses, or a file",
     )
     p.add_argument("--chunk", type=int, default=256)
+    p.add_argument(
+        "--state",
+        default=None,
+        metavar="DIR",
+        help="keep the run's state (every method's caches and metrics so far) in this folder "
+        f"every {STATE_EVERY // 60} minutes; the same command resumes from it after a stop "
+        "(long contexts on large models)",
+    )
 
 
 def run(args, model, tokenizer, methods, meta_md):
     """(result for the json, markdown, plot drawer) of one CLI run."""
     contexts = sorted(int(c) for c in args.contexts.split(","))
-    res = fidelity(model, tokenizer, methods, contexts, args.text, args.chunk, args.attention)
+    res = fidelity(
+        model,
+        tokenizer,
+        methods,
+        contexts,
+        args.text,
+        args.chunk,
+        args.attention,
+        state=args.state and RunState(args.state),
+    )
     return res, markdown(res, meta_md), lambda folder: plots(res, folder)
 
 
@@ -46,6 +68,7 @@ def fidelity(
     attention_mode="dequant",
     sink=SINK,
     ids=None,
+    state=None,
 ):
     """Teacher-forced metrics per method and context length.
 
@@ -53,7 +76,8 @@ def fidelity(
     boundaries are the same, so the logits at positions < L equal those of an
     L-token run. Positions p >= sink count (predicting token p+1). Seconds per
     method: its own model calls and metrics, summed over the chunks. ids: the
-    token ids to run (default: the start of `source`).
+    token ids to run (default: the start of `source`). state: a RunState the run
+    saves to every STATE_EVERY seconds and resumes from.
     """
     L = max(contexts)
     ids = tokens(tokenizer, source, L) if ids is None else list(ids[:L])
@@ -72,7 +96,29 @@ def fidelity(
     # bytes at a context are read where a chunk ends.
     ends = sorted(set(range(chunk, L, chunk)) | set(contexts))
     bar = Progress(len(names) * len(ends), "chunks x methods")
-    for s, e in zip([0, *ends], ends):
+    settings = {
+        "ids": hashlib.sha256(np.array(ids, np.int64).tobytes()).hexdigest(),
+        "methods": names,
+        "contexts": sorted(contexts),
+        "chunk": chunk,
+        "attention": attention_mode,
+        "sink": sink,
+    }
+    done = 0  # chunks run
+    if state is not None:
+        saved = state.load(settings)
+        if saved is not None:
+            done, caches, per_pos, bytes_at, seconds = saved
+            views = {name: for_model(caches[name], attention_mode) for name in names}
+            for _ in range(done * len(names)):
+                bar.step()
+    saved_at = time.time()
+    for i, (s, e) in enumerate(zip([0, *ends], ends)):
+        if i < done:
+            continue
+        if state is not None and i > done and time.time() - saved_at > STATE_EVERY:
+            state.save(settings, i, caches, per_pos, bytes_at, seconds)
+            saved_at = time.time()
         lp_ref = top_ref = None
         for name in names:
             t0 = time.time()
@@ -94,6 +140,8 @@ def fidelity(
         name: {key: np.concatenate(v) for key, v in d.items()} for name, d in per_pos.items()
     }
     del caches, views
+    if state is not None:
+        state.clear()
 
     rows = []
     for Lc in sorted(contexts):
@@ -128,6 +176,99 @@ def fidelity(
         "sink": sink,
         "positions": f"positions {sink}..L-2 (predicting tokens {sink + 1}..L-1)",
     }
+
+
+STATE_EVERY = 600  # seconds between saves of a run's state (--state)
+
+
+class StateError(ValueError):
+    """A --state folder this run cannot use."""
+
+
+class RunState:
+    """A fidelity run's state in a folder of its own files: per method, its caches as a
+    prompt-cache file (mlx-lm's save_prompt_cache, which KVarN caches take part in) and
+    its per-position metrics so far, and state.json naming them, the chunks run and the
+    run's settings. Each save writes new files, then state.json atomically, then removes
+    the previous save's files: a stop at any point leaves one whole state. A folder
+    holding another run's state is refused, not overwritten."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder).expanduser()
+        self.manifest = self.folder / "state.json"
+        if self.folder.exists() and not self.folder.is_dir():
+            raise StateError(f"--state {folder} is a file; pass a folder (it is made if absent)")
+
+    def _read(self):
+        try:
+            return json.loads(self.manifest.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            raise StateError(
+                f"--state {self.folder}: {self.manifest.name} is unreadable ({e}); pass another "
+                "folder"
+            ) from None
+
+    def load(self, settings):
+        """(chunks run, caches, per-position metrics, bytes, seconds), or None if the
+        folder holds no state yet."""
+        m = self._read()
+        if m is None:
+            return None
+        if m.get("settings") != json.loads(json.dumps(settings)):
+            raise StateError(
+                f"--state {self.folder} holds the state of another run (other text, methods, "
+                "contexts, chunk or attention); pass another folder, or remove that one"
+            )
+        caches, per_pos = {}, {}
+        for name, files in m["files"].items():
+            caches[name] = load_prompt_cache(str(self.folder / files["caches"]))
+            with np.load(self.folder / files["metrics"]) as z:
+                per_pos[name] = {key: [z[key]] for key in ("kl", "agree", "nll")}
+        bytes_at = {name: {int(c): b for c, b in d.items()} for name, d in m["bytes_at"].items()}
+        return m["chunks"], caches, per_pos, bytes_at, m["seconds"]
+
+    def save(self, settings, chunks, caches, per_pos, bytes_at, seconds):
+        self.folder.mkdir(parents=True, exist_ok=True)
+        old = self._read()
+        files = {}
+        for i, name in enumerate(caches):
+            stem = f"{chunks}-{i}"
+            files[name] = {"caches": f"{stem}.safetensors", "metrics": f"{stem}.npz"}
+            save_prompt_cache(str(self.folder / files[name]["caches"]), caches[name])
+            np.savez(
+                self.folder / files[name]["metrics"],
+                **{key: np.concatenate(v) for key, v in per_pos[name].items()},
+            )
+        write_json(
+            self.manifest,
+            {
+                "settings": settings,
+                "chunks": chunks,
+                "files": files,
+                "bytes_at": bytes_at,
+                "seconds": seconds,
+            },
+        )
+        if old is not None:
+            self._remove(old)
+
+    def clear(self):
+        """Remove the state (the run finished): its files, then the folder if empty."""
+        m = self._read()
+        if m is not None:
+            self._remove(m)
+            self.manifest.unlink()
+        try:
+            self.folder.rmdir()
+        except OSError:
+            pass  # absent, or holds files that are not ours
+
+    def _remove(self, manifest):
+        for files in manifest["files"].values():
+            for f in files.values():
+                (self.folder / f).unlink(missing_ok=True)
 
 
 def markdown(res, meta_md):
