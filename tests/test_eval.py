@@ -410,6 +410,10 @@ def test_a_stopped_fidelity_run_resumes_from_its_state(model, tmp_path, monkeypa
     assert len(list(folder.iterdir())) == 1 + 2 * 4  # state.json, caches and metrics per method
     with pytest.raises(ValueError, match="holds the state of another run"):
         fidelity(model, Bytes(), methods[:2], contexts, chunk=64, state=RunState(folder))
+    with pytest.raises(ValueError, match="another run .other model"):
+        fidelity(
+            model, Bytes(), methods, contexts, chunk=64, state=RunState(folder, {"model": "x"})
+        )
     with pytest.raises(ValueError, match="is a file; pass a folder"):
         RunState(folder / "state.json")
     got = fidelity(

@@ -12,6 +12,7 @@ import numpy as np
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from ..atomic_json import write_json
+from ..prompt_cache import model_identity
 from .methods import SINK, cache_bytes, make_caches, method_bits
 from .runner import Progress, for_model, kl, log_softmax, pyplot, tokens
 
@@ -53,7 +54,7 @@ def run(args, model, tokenizer, methods, meta_md):
         args.text,
         args.chunk,
         args.attention,
-        state=args.state and RunState(args.state),
+        state=args.state and RunState(args.state, model_identity(args.model, model, tokenizer)),
     )
     return res, markdown(res, meta_md), lambda folder: plots(res, folder)
 
@@ -193,9 +194,10 @@ class RunState:
     the previous save's files: a stop at any point leaves one whole state. A folder
     holding another run's state is refused, not overwritten."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, model_info=None):
         self.folder = Path(folder).expanduser()
         self.manifest = self.folder / "state.json"
+        self.model_info = model_info  # prompt_cache.model_identity: a state is one model's
         if self.folder.exists() and not self.folder.is_dir():
             raise StateError(f"--state {folder} is a file; pass a folder (it is made if absent)")
 
@@ -216,10 +218,13 @@ class RunState:
         m = self._read()
         if m is None:
             return None
-        if m.get("settings") != json.loads(json.dumps(settings)):
+        if (
+            m.get("settings") != json.loads(json.dumps(settings))
+            or m.get("model") != self.model_info
+        ):
             raise StateError(
-                f"--state {self.folder} holds the state of another run (other text, methods, "
-                "contexts, chunk or attention); pass another folder, or remove that one"
+                f"--state {self.folder} holds the state of another run (other model, text, "
+                "methods, contexts, chunk or attention); pass another folder, or remove that one"
             )
         caches, per_pos = {}, {}
         for name, files in m["files"].items():
@@ -245,6 +250,7 @@ class RunState:
             self.manifest,
             {
                 "settings": settings,
+                "model": self.model_info,
                 "chunks": chunks,
                 "files": files,
                 "bytes_at": bytes_at,
