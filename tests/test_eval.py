@@ -393,38 +393,26 @@ def test_a_stopped_fidelity_run_resumes_from_its_state(model, tmp_path, monkeypa
     from kvarn_mlx.eval.fidelity import RunState
 
     methods, contexts = ["auto4v2", "k2v2_g128+tail128", "mlxq4"], [384, 640]
-    want = fidelity(model, Bytes(), methods, contexts, chunk=64, attention_mode="packed")
-    monkeypatch.setattr(fidelity_module, "STATE_EVERY", -1)  # save before every chunk
     folder = tmp_path / "state"
-    with pytest.raises(KeyboardInterrupt):  # in chunk 6 of 10, the third method's call
-        fidelity(
-            _StopsAfter(model, 5 * 4 + 2),
-            Bytes(),
-            methods,
-            contexts,
-            chunk=64,
-            attention_mode="packed",
-            state=RunState(folder),
+
+    def run(model, methods=methods, state=None):
+        return fidelity(
+            model, Bytes(), methods, contexts, chunk=64, attention_mode="packed", state=state
         )
+
+    want = run(model)
+    monkeypatch.setattr(fidelity_module, "STATE_EVERY", -1)  # save before every chunk
+    with pytest.raises(KeyboardInterrupt):  # in chunk 6 of 10, the third method's call
+        run(_StopsAfter(model, 5 * 4 + 2), state=RunState(folder))
     assert json.loads((folder / "state.json").read_text())["chunks"] == 5
     assert len(list(folder.iterdir())) == 1 + 2 * 4  # state.json, caches and metrics per method
     with pytest.raises(ValueError, match="holds the state of another run"):
-        fidelity(model, Bytes(), methods[:2], contexts, chunk=64, state=RunState(folder))
+        run(model, methods[:2], state=RunState(folder))
     with pytest.raises(ValueError, match="another run .other model"):
-        fidelity(
-            model, Bytes(), methods, contexts, chunk=64, state=RunState(folder, {"model": "x"})
-        )
+        run(model, state=RunState(folder, {"model": "x"}))
     with pytest.raises(ValueError, match="is a file; pass a folder"):
         RunState(folder / "state.json")
-    got = fidelity(
-        _StopsAfter(model, 5 * 4),  # the 5 chunks left, no more
-        Bytes(),
-        methods,
-        contexts,
-        chunk=64,
-        attention_mode="packed",
-        state=RunState(folder),
-    )
+    got = run(_StopsAfter(model, 5 * 4), state=RunState(folder))  # the 5 chunks left, no more
     assert not folder.exists()  # the finished run removes its state
     for a, b in zip(want["rows"], got["rows"]):
         assert a.keys() == b.keys()
