@@ -72,7 +72,7 @@ from .byte_models import (
     parse_bytes,
 )
 from .cache import KVarNCache
-from .config import PRESETS
+from .config import DEFAULT_PRESET, PRESETS, tail_error
 from .model_info import config_dtype, lazy_model, parameter_bytes, read_model
 
 MLX_KV_BITS = (8, 4)
@@ -98,24 +98,24 @@ def machine_budget():
 # -- the caches compared ------------------------------------------------------------------
 
 
-def _quiet_make_cache(model, preset):
+def _quiet_make_cache(model, preset, **overrides):
     from .integration import make_cache
 
     log = logging.getLogger("kvarn_mlx")
     level = log.level
     log.setLevel(logging.ERROR)  # make_cache says which layers it leaves; the table shows it
     try:
-        return make_cache(model, preset)
+        return make_cache(model, preset, **overrides)
     finally:
         log.setLevel(level)
 
 
-def kvarn_kinds(model, preset):
+def kvarn_kinds(model, preset, **overrides):
     """Per cache layer (in model_layers' order): the preset's KVarNConfig where
     make_cache puts a KVarNCache, "plain" where it leaves the layer as it is."""
     return [
         c.config if isinstance(c, KVarNCache) else "plain"
-        for c, _ in flat_caches(_quiet_make_cache(model, preset))
+        for c, _ in flat_caches(_quiet_make_cache(model, preset, **overrides))
     ]
 
 
@@ -187,9 +187,9 @@ def _cache_plan(name, note, layers, kinds, prefill, warning=None, error=None):
     return CachePlan(name, note, warning, [built[key] for key in zip(layers, kinds)])
 
 
-def cache_plans(config, dtype, prefill=PREFILL_STEP_SIZE, model=None):
+def cache_plans(config, dtype, prefill=PREFILL_STEP_SIZE, model=None, tail_tokens=None):
     """CachePlan per cache compared: plain (model dtype, and float16 if that differs),
-    mlx-lm 8- and 4-bit, each KVarN preset."""
+    mlx-lm 8- and 4-bit, each KVarN preset (with tail_tokens, None: make_cache's default)."""
     model = model or lazy_model(config, dtype)
     layers = model_layers(model)
     plain = ["plain"] * len(layers)
@@ -223,13 +223,13 @@ def cache_plans(config, dtype, prefill=PREFILL_STEP_SIZE, model=None):
         )
 
     for p in PRESETS:
-        fails = run_fails(model, _quiet_make_cache(model, p))
+        fails = run_fails(model, _quiet_make_cache(model, p, tail_tokens=tail_tokens))
         plans.append(
             _cache_plan(
                 p,
                 "KVarNCache where make_cache puts one",
                 layers,
-                kvarn_kinds(model, p),
+                kvarn_kinds(model, p, tail_tokens=tail_tokens),
                 prefill,
                 error=fails and f"the model raises with this KVarN cache ({fails})",
             )
@@ -278,16 +278,18 @@ def plan(
     prefill=PREFILL_STEP_SIZE,
     max_kl=None,
     quality=None,
+    tail_tokens=None,
 ):
     """Everything the CLI prints, as a dict (the --json output). quality: the KLs
-    to quote (plan_kl.Quality), or None."""
+    to quote (plan_kl.Quality), or None. tail_tokens: the presets' (--kv-tail-tokens;
+    None: make_cache's default)."""
     dtype = dtype or config_dtype(info.config)
     dtype_note = None
     if dtype is None:
         dtype, dtype_note = "float16", "config.json names no dtype: float16 assumed (set --dtype)"
     model = lazy_model(info.config, dtype)
     layers = model_layers(model)
-    plans = cache_plans(info.config, dtype, prefill, model)
+    plans = cache_plans(info.config, dtype, prefill, model, tail_tokens)
     kl = dict(quality.kl) if quality else {}
     if quality and quality.reference in (None, f"plain ({dtype})"):
         kl[f"plain ({dtype})"] = (0.0, "reference")
@@ -314,6 +316,7 @@ def plan(
         "overhead_bytes": overhead,
         "kv_budget_bytes": available,
         "prefill_step_size": prefill,
+        "kv_tail_tokens": tail_tokens,
         "context": context,
         "max_kl": max_kl,
         "kl_source": quality.source if quality else None,
@@ -445,12 +448,17 @@ def format_plan(p):
         "at any step up to that many tokens, whatever the order of prompt chunks and decode "
         "steps: sink, tail buffer (with a finished tile waiting for its commit turn) and "
         "preallocated room included, with prompts prefilled in chunks of "
-        f"{p['prefill_step_size']:,} tokens at most; KVarN presets as make_cache and the "
-        "commands build them, the newest 128 tokens in full precision on 128-token tiles "
-        "(--kv-tail-tokens). The allowance does not grow with the "
+        f"{p['prefill_step_size']:,} tokens at most; KVarN presets "
+        + (
+            "as make_cache and the commands build them, the newest 128 tokens in full precision "
+            "on 128-token tiles"
+            if p["kv_tail_tokens"] is None
+            else f"with the newest {p['kv_tail_tokens']:,} tokens in full precision"
+        )
+        + " (--kv-tail-tokens). The allowance does not grow with the "
         "context: transient buffers of a long prefill that do (a chunk's attention scores where "
         "attention is not fused) are not in it. Mean KL: to the plain cache, of the presets "
-        "without that tail (which lowered it in every measurement), "
+        "without a tail (which lowered it in every measurement), "
         + (p["kl_source"] or "none known for this model (--profile PROFILE.json predicts them)")
         + "."
     )
@@ -514,6 +522,14 @@ def setup_arg_parser():
         help="The model's calibration profile (python -m kvarn_mlx.calibrate): predicted KL "
         "per preset and the calibrated mix (loads the model's weights to check the profile)",
     )
+    p.add_argument(
+        "--kv-tail-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="The KVarN presets' newest tokens kept in full precision, as generate's flag "
+        "(default: make_cache's, 128 on 128-token tiles)",
+    )
     p.add_argument("--json", action="store_true", help="Print the plan as JSON")
     return p
 
@@ -525,6 +541,8 @@ def main(argv=None):
             raise PlanError(f"--context {args.context}: give a number of tokens, at least 1")
         if args.prefill_step_size < 1:
             raise PlanError(f"--prefill-step-size {args.prefill_step_size} must be at least 1")
+        if tail_error(DEFAULT_PRESET, args.kv_tail_tokens):
+            raise PlanError(f"--kv-tail-tokens: {tail_error(DEFAULT_PRESET, args.kv_tail_tokens)}")
         if args.memory is None:
             budget, source = machine_budget()
         else:
@@ -553,6 +571,7 @@ def main(argv=None):
             args.prefill_step_size,
             args.max_kl,
             quality,
+            args.kv_tail_tokens,
         )
     except PlanError as e:
         sys.exit(f"error: {e}")

@@ -633,3 +633,25 @@ def test_cli_profile_with_growth_predicts_at_the_context(capsys):
     assert {r["cache"]: r for r in out["caches"]}["calibrated mix"]["kl"] == pytest.approx(
         out["mix"]["predicted_kl"]
     )
+
+
+@pytest.mark.default_tail
+def test_cli_kv_tail_tokens_sets_the_presets_tail(capsys):
+    def kv_at_4k(*flag):
+        plan.main(["--memory", "16GB", "--context", "4096", "--json", *flag])
+        out = json.loads(capsys.readouterr().out)
+        rows = {r["cache"]: r for r in out["caches"]}
+        return out["kv_tail_tokens"], rows["auto4v2"]["kv_bytes_at_context"], rows["k4v2_g64"]
+
+    default, none, long = (
+        kv_at_4k(),
+        kv_at_4k("--kv-tail-tokens", "0"),
+        kv_at_4k("--kv-tail-tokens", "1024"),
+    )
+    assert (default[0], none[0], long[0]) == (None, 0, 1024)
+    # The default: 128 float32 tokens more than none, in 30 layers of 3 kv heads of dim 64.
+    assert default[1] - none[1] == 128 * 30 * 3 * 64 * 2 * 4
+    assert long[1] > default[1]
+    assert default[2] == none[2]  # 64-token tiles keep no default tail
+    with pytest.raises(SystemExit, match="--kv-tail-tokens: tail_tokens=100 must be 0 or"):
+        plan.main(["--kv-tail-tokens", "100"])
