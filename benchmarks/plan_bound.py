@@ -48,7 +48,6 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from kvarn_mlx import byte_models, memory, model_info, plan
 from kvarn_mlx.atomic_json import write_json
-from kvarn_mlx.config import PRESETS, get_preset, user_preset
 
 CHUNK = byte_models.PREFILL_STEP_SIZE
 
@@ -64,7 +63,7 @@ def build_caches(model, name, tail_tokens=None):
             QuantizedKVCache(byte_models.MLX_KV_GROUP_SIZE, bits) if type(c) is KVCache else c
             for c in make_prompt_cache(model)
         ]
-    return plan._quiet_make_cache(model, user_preset(name, tail_tokens=tail_tokens))
+    return plan._quiet_make_cache(model, name, tail_tokens=tail_tokens)
 
 
 def steps(n, decode):
@@ -127,14 +126,9 @@ def run(args):
     info = model_info.read_model(args.model)
     dtype = model_info.config_dtype(info.config) or "float16"
     lazy = model_info.lazy_model(info.config, dtype)
-    plans = {p.name: p for p in plan.cache_plans(info.config, dtype, model=lazy) if p.error is None}
     tail = args.tail_tokens
-    if tail is not None:  # the presets' byte models with that tail (as budget.py)
-        layers = byte_models.model_layers(lazy)
-        for name in PRESETS:
-            config = get_preset(name, tail_tokens=tail)
-            kinds = plan.kvarn_kinds(lazy, config)
-            plans[name] = plan._cache_plan(name, "", layers, kinds, CHUNK)
+    plans = plan.cache_plans(info.config, dtype, model=lazy, tail_tokens=tail)
+    plans = {p.name: p for p in plans if p.error is None}
     names = args.caches or list(plans)
     unknown = [c for c in names if c not in plans]
     if unknown:

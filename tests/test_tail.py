@@ -81,8 +81,8 @@ def test_a_preset_asked_for_by_name_keeps_the_default_tail():
 
     from kvarn_mlx.server.handler import APIHandler
 
-    def stated(preset, tail=None, profile=None):
-        settings = Namespace(kv_preset=preset, kv_tail_tokens=tail, kv_profile=profile)
+    def stated(preset, tail=None):
+        settings = Namespace(kv_preset=preset, kv_tail_tokens=tail, kv_profile=None)
         return APIHandler.kv_tail_tokens(Namespace(settings=settings))
 
     assert [stated("auto4v2"), stated("auto4v2", 0), stated("k4v2_g64")] == [128, 0, 0]
