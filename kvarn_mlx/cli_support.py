@@ -12,7 +12,7 @@ function per rule, so that each says the same thing everywhere.
 import signal
 import threading
 
-from .config import DEFAULT_PRESET, DEFAULT_TAIL_TOKENS, FP16, PRESETS
+from .config import DEFAULT_PRESET, FP16, PRESETS, default_tail_words
 
 INTERRUPTED = 130  # the shell's exit code for a process stopped by Ctrl-C
 
@@ -43,8 +43,7 @@ def add_kv_flags(
         default=None,
         metavar="N",
         help="Newest tokens kept in full precision besides the tile being filled, a multiple of "
-        f"the tile size (default {DEFAULT_TAIL_TOKENS[128]} with 128-token tiles, else 0; 0 with "
-        "--kv-profile)",
+        f"the tile size (default {default_tail_words()}, else 0; 0 with --kv-profile)",
     )
     p.add_argument(
         "--kv-profile",

@@ -112,6 +112,11 @@ FP16 = "fp16"
 DEFAULT_TAIL_TOKENS = {128: 128}
 
 
+def default_tail_words() -> str:
+    """DEFAULT_TAIL_TOKENS in words, for help texts: "128 with 128-token tiles"."""
+    return ", ".join(f"{n} with {g}-token tiles" for g, n in DEFAULT_TAIL_TOKENS.items())
+
+
 _NAME = re.compile(r"k(\d+)v(\d+)_g(\d+)(_auto)?")
 
 

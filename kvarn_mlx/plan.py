@@ -72,7 +72,7 @@ from .byte_models import (
     parse_bytes,
 )
 from .cache import KVarNCache
-from .config import DEFAULT_PRESET, PRESETS, tail_error
+from .config import DEFAULT_PRESET, PRESETS, default_tail_words, tail_error
 from .model_info import config_dtype, lazy_model, parameter_bytes, read_model
 
 MLX_KV_BITS = (8, 4)
@@ -450,8 +450,8 @@ def format_plan(p):
         "preallocated room included, with prompts prefilled in chunks of "
         f"{p['prefill_step_size']:,} tokens at most; KVarN presets "
         + (
-            "as make_cache and the commands build them, the newest 128 tokens in full precision "
-            "on 128-token tiles"
+            "as make_cache and the commands build them, the newest tokens in full precision "
+            f"({default_tail_words()})"
             if p["kv_tail_tokens"] is None
             else f"with the newest {p['kv_tail_tokens']:,} tokens in full precision"
         )
@@ -528,7 +528,7 @@ def setup_arg_parser():
         default=None,
         metavar="N",
         help="The KVarN presets' newest tokens kept in full precision, as generate's flag "
-        "(default: make_cache's, 128 on 128-token tiles)",
+        f"(default: make_cache's, {default_tail_words()})",
     )
     p.add_argument("--json", action="store_true", help="Print the plan as JSON")
     return p
