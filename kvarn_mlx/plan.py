@@ -110,13 +110,10 @@ def _quiet_make_cache(model, preset, **overrides):
         log.setLevel(level)
 
 
-def kvarn_kinds(model, preset, **overrides):
-    """Per cache layer (in model_layers' order): the preset's KVarNConfig where
-    make_cache puts a KVarNCache, "plain" where it leaves the layer as it is."""
-    return [
-        c.config if isinstance(c, KVarNCache) else "plain"
-        for c, _ in flat_caches(_quiet_make_cache(model, preset, **overrides))
-    ]
+def kvarn_kinds(caches):
+    """Per cache layer (in model_layers' order) of caches make_cache built: the
+    KVarNConfig where it put a KVarNCache, "plain" where it left the layer as it is."""
+    return [c.config if isinstance(c, KVarNCache) else "plain" for c, _ in flat_caches(caches)]
 
 
 def run_fails(model, caches, then=None):
@@ -223,13 +220,14 @@ def cache_plans(config, dtype, prefill=PREFILL_STEP_SIZE, model=None, tail_token
         )
 
     for p in PRESETS:
-        fails = run_fails(model, _quiet_make_cache(model, p, tail_tokens=tail_tokens))
+        caches = _quiet_make_cache(model, p, tail_tokens=tail_tokens)
+        fails = run_fails(model, caches)
         plans.append(
             _cache_plan(
                 p,
                 "KVarNCache where make_cache puts one",
                 layers,
-                kvarn_kinds(model, p, tail_tokens=tail_tokens),
+                kvarn_kinds(caches),
                 prefill,
                 error=fails and f"the model raises with this KVarN cache ({fails})",
             )
@@ -265,7 +263,8 @@ def mix_plan(model, layers, quality, prefill):
     if quality.mix is None:
         return CachePlan(name, note, error=quality.mix_error)
     note = f"per-layer widths from the profile, {quality.mix.target}"
-    return _cache_plan(name, note, layers, kvarn_kinds(model, quality.mix_configs), prefill)
+    kinds = kvarn_kinds(_quiet_make_cache(model, quality.mix_configs))
+    return _cache_plan(name, note, layers, kinds, prefill)
 
 
 def plan(
@@ -541,8 +540,8 @@ def main(argv=None):
             raise PlanError(f"--context {args.context}: give a number of tokens, at least 1")
         if args.prefill_step_size < 1:
             raise PlanError(f"--prefill-step-size {args.prefill_step_size} must be at least 1")
-        if tail_error(DEFAULT_PRESET, args.kv_tail_tokens):
-            raise PlanError(f"--kv-tail-tokens: {tail_error(DEFAULT_PRESET, args.kv_tail_tokens)}")
+        if problem := tail_error(DEFAULT_PRESET, args.kv_tail_tokens):
+            raise PlanError(f"--kv-tail-tokens: {problem}")
         if args.memory is None:
             budget, source = machine_budget()
         else:
